@@ -220,7 +220,7 @@ class AdaptiveBatcher(Generic[P, R]):
             if reason is None:
                 self._arm_timer(wake_at)
                 return
-            aged_before = now - config.low_aging_s
+            aged_before = now - config.low_aging_s + _EPS
             last_slot = config.max_concurrent_batches > 1 and self._in_flight == config.max_concurrent_batches - 1
             urgent_only = last_slot and not self._closing
             if urgent_only and not queue.has_urgent(aged_before):

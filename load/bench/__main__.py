@@ -1,0 +1,49 @@
+"""``python -m load.bench <scenario> [options]``: one subcommand per scenario module in ``load/bench/``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .report import RESULTS_DIR
+
+# Scenario name -> module. A module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; its docstring's
+# first line is the subcommand's help. Adding a scenario is one line here.
+SCENARIOS: dict[str, str] = {
+    "overhead": "load.bench.overhead",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--results-dir", type=Path, default=RESULTS_DIR, help=f"where Markdown and JSON go (default {RESULTS_DIR})"
+    )
+    subcommands = parser.add_subparsers(dest="scenario", required=True, metavar="scenario")
+    for name, module_name in SCENARIOS.items():
+        module = importlib.import_module(module_name)
+        summary = (module.__doc__ or name).strip().splitlines()[0]
+        sub = subcommands.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""When batches leave: size, cost, time (re-evaluated as depth changes), stall; the concurrency cap."""
+
+import asyncio
+
+import pytest
+
+from batching import AdaptiveBatcher, BatcherConfig, DepthScaledWait, FixedWait
+
+from .fake_process import FakeProcess
+
+pytestmark = pytest.mark.looptime
+
+WAIT = DepthScaledWait(max_wait_ms=25, scale_factor=10)
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def test_lone_item_leaves_after_wait_of_depth_one_not_max_wait():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10))
+    start = now()
+    assert await batcher.submit("a") == ("ok", "a")
+    assert process.started_at[0] - start == pytest.approx(WAIT.wait_s(1), abs=2e-6)
+    assert batcher.stats().flushes == {"time": 1}
+
+
+async def test_wait_lengthens_as_depth_grows():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10))
+    start = now()
+    first = asyncio.ensure_future(batcher.submit("a"))
+    await asyncio.sleep(0.001)  # before wait_s(1) = 2.27 ms passes, depth grows to 5
+    rest = [asyncio.ensure_future(batcher.submit(x)) for x in "bcde"]
+    await asyncio.gather(first, *rest)
+    assert process.calls == [["a", "b", "c", "d", "e"]]
+    assert process.started_at[0] - start == pytest.approx(WAIT.wait_s(5), abs=2e-6)
+
+
+async def test_wait_shortens_when_queued_items_leave():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10))
+    start = now()
+    keep = asyncio.ensure_future(batcher.submit("keep"))
+    leaving = [asyncio.ensure_future(batcher.submit(i)) for i in range(9)]
+    await asyncio.sleep(0.004)  # depth 10 → wait 12.5 ms; now cancel nine: depth 1 → wait 2.27 ms, already passed
+    for task in leaving:
+        task.cancel()
+    await keep
+    assert process.calls == [["keep"]]
+    assert process.started_at[0] - start == pytest.approx(0.004, abs=2e-6)
+    assert batcher.stats().cancelled == 9
+
+
+async def test_size_trigger_sends_full_batches_at_once():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=4, max_wait_ms=1000))
+    start = now()
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(8)))
+    assert results == [("ok", i) for i in range(8)]
+    assert process.calls == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert process.started_at == [start, start]
+    assert batcher.stats().flushes == {"size": 2}
+
+
+async def test_cost_budget_closes_a_batch_before_it_overflows():
+    process = FakeProcess()
+    config = BatcherConfig(max_batch_size=100, max_batch_cost=10, max_wait_ms=50, max_concurrent_batches=1)
+    batcher = AdaptiveBatcher(process, config, cost_fn=len)
+    await asyncio.gather(*(batcher.submit(word) for word in ["aaaa", "bbbb", "cccc", "dd"]))
+    assert process.calls == [["aaaa", "bbbb"], ["cccc", "dd"]]
+    assert batcher.stats().flushes["cost"] == 1
+
+
+async def test_item_costlier_than_the_budget_travels_alone():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_cost=5, max_wait_ms=50), cost_fn=len)
+    await asyncio.gather(batcher.submit("x" * 12), batcher.submit("y"))
+    assert process.calls == [["x" * 12], ["y"]]
+    assert batcher.stats().flushes == {"cost": 1, "time": 1}
+
+
+async def test_at_most_max_concurrent_batches_in_flight_and_batches_grow_while_waiting_for_a_slot():
+    process = FakeProcess(delay_s=0.1)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=50, max_concurrent_batches=2, max_wait_ms=5))
+    first = [asyncio.ensure_future(batcher.submit(i)) for i in range(2)]
+    await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)  # first batch in flight
+    second = [asyncio.ensure_future(batcher.submit(i)) for i in range(2, 4)]
+    await asyncio.sleep(0.01)  # second batch in flight: both slots busy
+    third = [asyncio.ensure_future(batcher.submit(i)) for i in range(4, 30)]
+    await asyncio.sleep(0.02)
+    assert len(process.calls) == 2 and batcher.stats().queue_depth == 26
+    await asyncio.gather(*first, *second, *third)
+    assert process.max_in_flight == 2
+    assert process.calls[2] == list(range(4, 30))  # not sealed early: one batch of everything queued
+
+
+async def test_submitting_never_waits_for_a_batch_in_flight():
+    process = FakeProcess(delay_s=0.1)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=1000, max_concurrent_batches=1))
+    inflight = asyncio.ensure_future(batcher.submit("slow"))
+    await process.started.wait()
+    accepted_at = now()
+    waiting = [asyncio.ensure_future(batcher.submit(i)) for i in range(1000)]
+    await asyncio.sleep(0)
+    assert batcher.stats().queue_depth == 1000 and now() == accepted_at
+    await asyncio.gather(inflight, *waiting)
+
+
+async def test_fixed_wait_policy_waits_the_same_whatever_the_depth():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=100), wait_policy=FixedWait(0.05))
+    start = now()
+    await batcher.submit("one")
+    assert process.started_at[0] - start == pytest.approx(0.05, abs=2e-6)
+
+
+async def test_stall_trigger_ends_the_wait_when_arrivals_stop():
+    process = FakeProcess()
+    config = BatcherConfig(max_batch_size=100, max_wait_ms=25, scale_factor=10, stall_factor=4)
+    batcher = AdaptiveBatcher(process, config)
+    start = now()
+    await asyncio.gather(*(batcher.submit(i) for i in range(50)))  # a burst: nothing more will come
+    assert process.calls == [list(range(50))]
+    assert process.started_at[0] - start < WAIT.wait_s(50) / 4
+    assert batcher.stats().flushes == {"stall": 1}
+
+
+async def test_stall_trigger_waits_while_items_keep_arriving():
+    process = FakeProcess()
+    config = BatcherConfig(max_batch_size=100, max_wait_ms=25, scale_factor=10, stall_factor=4)
+    batcher = AdaptiveBatcher(process, config)
+    tasks = []
+    for i in range(12):  # one item every 0.2 ms: the stall window never opens before the time trigger
+        tasks.append(asyncio.ensure_future(batcher.submit(i)))
+        await asyncio.sleep(0.0002)
+    await asyncio.gather(*tasks)
+    assert process.calls[0] == list(range(len(process.calls[0])))
+    assert len(process.calls[0]) > 1
+
+
+async def test_reconfigure_applies_to_queued_items():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=10, max_wait_ms=1000, scale_factor=1))
+    pending = [asyncio.ensure_future(batcher.submit(i)) for i in range(3)]
+    await asyncio.sleep(0.001)
+    batcher.reconfigure(max_batch_size=3)
+    await asyncio.gather(*pending)
+    assert process.calls == [[0, 1, 2]]
+    with pytest.raises(ValueError):
+        batcher.reconfigure(max_batch_size=0)

@@ -1,0 +1,98 @@
+"""HIGH never waits behind LOW; LOW-only batches never take the last slot; LOW ages so it is never starved."""
+
+import asyncio
+
+import pytest
+
+from batching import AdaptiveBatcher, BatcherConfig, Priority
+
+from .fake_process import FakeProcess
+
+pytestmark = pytest.mark.looptime
+
+LOW = Priority.LOW
+
+
+async def settle() -> None:
+    """Let submitted calls and the batches they start run up to their first real wait."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_high_items_leave_before_low_items_queued_earlier():
+    process = FakeProcess(delay_s=0.1)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=3, max_concurrent_batches=1, max_wait_ms=0))
+    busy = asyncio.ensure_future(batcher.submit("busy"))
+    await process.started.wait()
+    low = [asyncio.ensure_future(batcher.submit(f"low{i}", priority=LOW)) for i in range(4)]
+    high = [asyncio.ensure_future(batcher.submit(f"high{i}")) for i in range(2)]
+    await asyncio.gather(busy, *low, *high)
+    assert process.calls[1] == ["high0", "high1", "low0"]
+
+
+async def test_low_only_batch_never_takes_the_last_free_slot():
+    process = FakeProcess(delay_s=0.5)
+    config = BatcherConfig(max_batch_size=2, max_concurrent_batches=2, max_wait_ms=0, low_aging_s=10)
+    batcher = AdaptiveBatcher(process, config)
+    low = [asyncio.ensure_future(batcher.submit(i, priority=LOW)) for i in range(6)]
+    await asyncio.sleep(0.1)
+    assert process.in_flight == 1  # one LOW batch runs; the last slot stays free for HIGH
+    high_start = asyncio.get_running_loop().time()
+    high = asyncio.ensure_future(batcher.submit("high"))
+    await settle()
+    assert process.in_flight == 2 and process.calls[-1][0] == "high"
+    await high
+    assert asyncio.get_running_loop().time() - high_start == pytest.approx(0.5, abs=2e-6)
+    await asyncio.gather(*low)
+    assert process.max_in_flight == 2
+
+
+async def test_batch_in_the_last_slot_carries_no_low_filler():
+    process = FakeProcess(delay_s=0.5)
+    config = BatcherConfig(max_batch_size=10, max_concurrent_batches=2, max_wait_ms=0, low_aging_s=10)
+    batcher = AdaptiveBatcher(process, config)
+    low = [asyncio.ensure_future(batcher.submit(i, priority=LOW)) for i in range(30)]
+    await asyncio.sleep(0.1)
+    high = asyncio.ensure_future(batcher.submit("high"))
+    await settle()
+    assert process.calls[-1] == ["high"]
+    await asyncio.gather(high, *low)
+
+
+async def test_with_one_slot_low_uses_it_when_no_high_waits():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_concurrent_batches=1, low_aging_s=10))
+    assert await batcher.submit("bulk", priority=LOW) == ("ok", "bulk")
+
+
+async def test_low_items_age_into_high_and_are_not_starved():
+    process = FakeProcess(delay_s=0.4)
+    config = BatcherConfig(max_batch_size=1, max_concurrent_batches=2, max_wait_ms=0, low_aging_s=1.0)
+    batcher = AdaptiveBatcher(process, config)
+    high = []
+
+    async def interactive_stream():
+        for i in range(40):  # 10 HIGH items/s against 5/s of capacity: HIGH always waits
+            high.append(asyncio.ensure_future(batcher.submit(f"h{i}")))
+            await asyncio.sleep(0.1)
+
+    stream = asyncio.ensure_future(interactive_stream())
+    await asyncio.sleep(0.25)
+    await batcher.submit("low", priority=LOW)
+    low_started = process.started_at[process.calls.index(["low"])]
+    assert 1.25 <= low_started < 2.0  # waited for aging, not for the whole HIGH stream (≥ 8 s)
+    await stream
+    await asyncio.gather(*high)
+
+
+async def test_an_aged_low_item_goes_ahead_of_younger_high_items():
+    process = FakeProcess(delay_s=2.0)
+    config = BatcherConfig(max_batch_size=2, max_concurrent_batches=1, max_wait_ms=0, low_aging_s=1.0)
+    batcher = AdaptiveBatcher(process, config)
+    busy = asyncio.ensure_future(batcher.submit("busy"))
+    await process.started.wait()
+    low = asyncio.ensure_future(batcher.submit("old-low", priority=LOW))
+    await asyncio.sleep(1.5)
+    high = [asyncio.ensure_future(batcher.submit(f"h{i}")) for i in range(2)]
+    await asyncio.gather(busy, low, *high)
+    assert process.calls[1] == ["old-low", "h0"]
