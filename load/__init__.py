@@ -1,0 +1,1 @@
+"""Load tools: a simulated upstream embeddings API, load generators and benchmarks."""
