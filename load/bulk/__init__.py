@@ -1,0 +1,38 @@
+"""Bulk indexing client: embed every document of a file through the embeddings API, resumably.
+
+    python -m load.bulk docs.jsonl vectors.npy --base-url http://127.0.0.1:8000/v1 --concurrency 8
+    embed-bulk corpus.txt vectors.jsonl --batch-size 128        (same command again resumes after a kill)
+
+Input: JSONL rows with an id and a text field (`--id-field`, `--text-field`), or plain text: one document a line,
+id = line number (1-based; blank lines skipped). Ids must be unique: resuming keys on them.
+
+Output, by extension: `*.jsonl` rows `{"id", "embedding"}` in the order batches finished (every row carries its id);
+`*.npy` a float32 matrix in input order plus `<out>.ids.jsonl` naming each row. Rows that failed for good are listed
+in `<out>.failures.jsonl` and left out of the output; a rerun tries them again. How a kill at any moment leaves a
+state the next run continues from is in `load.bulk.store`; the retry rules are in `load.bulk.api`.
+
+Requests carry `X-Priority: low` (`--priority high` to change it), so the service treats them as background work.
+"""
+
+from load.bulk.api import BatchOutcome, CallCounters, EmbeddingsClient, Failure
+from load.bulk.cli import main
+from load.bulk.documents import Document, InputError, read_documents
+from load.bulk.job import BulkJob, Summary
+from load.bulk.settings import BulkSettings, parse_args
+from load.bulk.store import StoreError
+
+__all__ = [
+    "BatchOutcome",
+    "BulkJob",
+    "BulkSettings",
+    "CallCounters",
+    "Document",
+    "EmbeddingsClient",
+    "Failure",
+    "InputError",
+    "StoreError",
+    "Summary",
+    "main",
+    "parse_args",
+    "read_documents",
+]

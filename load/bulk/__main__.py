@@ -1,0 +1,3 @@
+from load.bulk.cli import main
+
+raise SystemExit(main())

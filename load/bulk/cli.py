@@ -1,0 +1,63 @@
+"""`python -m load.bulk` / `embed-bulk`: run a bulk job and print what it did."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import IO
+
+from load.bulk.documents import InputError
+from load.bulk.job import BulkJob, Summary
+from load.bulk.settings import BulkSettings, parse_args, sidecar
+from load.bulk.store import StoreError
+
+FAILURES_LISTED = 20
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 all rows embedded, 1 some rows failed, 2 unusable input or output, 130 interrupted."""
+    settings = parse_args(argv)
+    job = BulkJob(settings)
+    try:
+        summary = asyncio.run(job.run())
+    except KeyboardInterrupt:
+        job.summary.interrupted = True
+        summary = job.summary
+    except (InputError, StoreError, OSError) as error:
+        print(f"embed-bulk: {error}", file=sys.stderr)
+        return 2
+    print_summary(summary, settings, sys.stderr)
+    return summary.exit_code
+
+
+def print_summary(summary: Summary, settings: BulkSettings, stream: IO[str]) -> None:
+    stream.write("\n".join(summary_lines(summary, settings)) + "\n")
+    stream.flush()
+
+
+def summary_lines(summary: Summary, settings: BulkSettings) -> list[str]:
+    calls = summary.calls
+    lines = [
+        f"embed-bulk: {summary.total} rows in input: {summary.embedded} embedded, "
+        f"{summary.skipped} skipped as already done, {len(summary.failures)} failed",
+        f"  wall time {summary.wall_s:.1f} s, {summary.rows_per_s:.1f} rows/s; {calls.requests} requests "
+        f"({calls.rate_limited} waited out a 429, {calls.retries} retried), {calls.tokens} tokens",
+    ]
+    if summary.upstream_calls is not None:
+        lines.append(f"  upstream calls: {summary.upstream_calls}")
+    if summary.failures:
+        lines.append(f"  failed rows (all in {settings.failures_path}):")
+        lines.extend(f"    {failure.id!r}: {failure.message}" for failure in summary.failures[:FAILURES_LISTED])
+        if len(summary.failures) > FAILURES_LISTED:
+            lines.append(f"    ... and {len(summary.failures) - FAILURES_LISTED} more")
+    if summary.interrupted:
+        lines.append("  interrupted: finished batches are saved; rerun the same command to embed the rest")
+    else:
+        lines.append(f"  output: {_output_names(settings)}")
+    return lines
+
+
+def _output_names(settings: BulkSettings) -> str:
+    if settings.output_kind == "npy":
+        return f"{settings.output_path} (+ ids in {sidecar(settings.output_path, 'ids.jsonl')})"
+    return str(settings.output_path)

@@ -1,0 +1,187 @@
+"""A bulk run: read the input, skip what the output already holds, embed the rest with bounded concurrency,
+save every finished batch before taking the next, and account for every row."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+import httpx
+from tqdm import tqdm
+
+from load.bulk.api import BatchOutcome, CallCounters, EmbeddingsClient, Failure, Sleep, make_http_client
+from load.bulk.documents import DocId, Document, read_documents, unique_ids
+from load.bulk.settings import BulkSettings
+from load.bulk.store import EmbeddingStore, open_store
+
+
+@dataclass
+class Summary:
+    """What a run did; `embedded` and `failures` count this run only, `skipped` the rows done by earlier runs."""
+
+    total: int = 0
+    skipped: int = 0
+    embedded: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    wall_s: float = 0.0
+    calls: CallCounters = field(default_factory=CallCounters)
+    upstream_calls: int | None = None
+    interrupted: bool = False
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.embedded / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
+        return 1 if self.failures else 0
+
+
+class Recorder:
+    """Saves each finished batch durably, lists failures in `<out>.failures.jsonl`, and moves the progress bar."""
+
+    def __init__(self, store: EmbeddingStore, settings: BulkSettings, summary: Summary, progress: tqdm) -> None:
+        self._store = store
+        self._failures_path = settings.failures_path
+        self._summary = summary
+        self._progress = progress
+
+    def record(self, outcome: BatchOutcome) -> None:
+        if outcome.embedded:
+            self._store.append(outcome.embedded)
+            self._summary.embedded += len(outcome.embedded)
+        if outcome.failed:
+            self._write_failures(outcome.failed)
+            self._summary.failures.extend(outcome.failed)
+            self._progress.set_postfix(failed=len(self._summary.failures), refresh=False)
+        self._progress.update(len(outcome.embedded) + len(outcome.failed))
+
+    def _write_failures(self, failures: Sequence[Failure]) -> None:
+        with self._failures_path.open("a", encoding="utf-8") as file:
+            for failure in failures:
+                row = {"id": failure.id, "error": failure.message, "status": failure.status}
+                file.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+class BulkJob:
+    """Runs once: `await job.run()`; `job.summary` stays readable if the run is interrupted."""
+
+    def __init__(
+        self,
+        settings: BulkSettings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Sleep = asyncio.sleep,
+        stderr: IO[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.summary = Summary()
+        self._transport = transport
+        self._sleep = sleep
+        self._stderr = stderr if stderr is not None else sys.stderr
+        self._started = time.monotonic()
+
+    async def run(self) -> Summary:
+        settings, summary = self.settings, self.summary
+        self._started = time.monotonic()
+        input_ids = unique_ids(self._documents())
+        store = open_store(settings)
+        done = store.recover()
+        if store.dropped_bytes:
+            print(
+                f"embed-bulk: cut an incomplete last write ({store.dropped_bytes} bytes) off the output; "
+                "its rows are embedded again",
+                file=self._stderr,
+            )
+        summary.total = len(input_ids)
+        summary.skipped = sum(1 for doc_id in input_ids if doc_id in done)
+        settings.failures_path.unlink(missing_ok=True)  # failed rows are not done: this run tries them again
+        try:
+            async with make_http_client(settings, self._transport) as http:
+                upstream_before = await self._upstream_calls(http)
+                with self._progress_bar(summary) as progress:
+                    await self._embed_all(http, Recorder(store, settings, summary, progress), done)
+                summary.upstream_calls = _difference(await self._upstream_calls(http), upstream_before)
+            store.finish(input_ids)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            summary.interrupted = True
+            raise
+        finally:
+            store.close()
+            summary.wall_s = time.monotonic() - self._started
+        return summary
+
+    async def _embed_all(self, http: httpx.AsyncClient, recorder: Recorder, done: set[DocId]) -> None:
+        client = EmbeddingsClient(self.settings, http, sleep=self._sleep)
+        self.summary.calls = client.counters
+        batches = pending_batches(self._documents(), done, self.settings.batch_size)
+        try:
+            async with asyncio.TaskGroup() as workers:
+                for _ in range(self.settings.concurrency):
+                    workers.create_task(_work(batches, client, recorder))
+        except ExceptionGroup as group:
+            raise group.exceptions[0] from None
+
+    def _documents(self) -> Iterator[Document]:
+        settings = self.settings
+        return read_documents(
+            settings.input_path, jsonl=settings.reads_jsonl, id_field=settings.id_field, text_field=settings.text_field
+        )
+
+    def _progress_bar(self, summary: Summary) -> tqdm:
+        mode = self.settings.progress
+        shown = mode == "always" or (mode == "auto" and self._stderr.isatty())
+        return tqdm(
+            total=summary.total,
+            initial=summary.skipped,
+            unit="row",
+            desc="embedding",
+            file=self._stderr,
+            disable=not shown,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
+
+    async def _upstream_calls(self, http: httpx.AsyncClient) -> int | None:
+        """The `calls` counter of `--stats-url`, if one was given and answers."""
+        if not self.settings.stats_url:
+            return None
+        try:
+            response = await http.get(self.settings.stats_url)
+            return int(response.json()["calls"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+
+def pending_batches(documents: Iterator[Document], done: set[DocId], size: int) -> Iterator[list[Document]]:
+    """Batches of up to `size` documents in input order, leaving out those already done."""
+    batch: list[Document] = []
+    for document in documents:
+        if document.id in done:
+            continue
+        batch.append(document)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+async def _work(batches: Iterator[list[Document]], client: EmbeddingsClient, recorder: Recorder) -> None:
+    """One of `concurrency` workers sharing the batch iterator: embed a batch, save it, take the next."""
+    for batch in batches:
+        sendable = [document for document in batch if document.problem is None]
+        outcome = await client.embed(sendable) if sendable else BatchOutcome()
+        outcome.failed.extend(Failure(doc.id, doc.problem) for doc in batch if doc.problem is not None)
+        recorder.record(outcome)
+
+
+def _difference(after: int | None, before: int | None) -> int | None:
+    return after - before if after is not None and before is not None else None
