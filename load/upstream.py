@@ -1,0 +1,514 @@
+"""A simulated OpenAI-compatible embeddings API: latency, a concurrency cap, rate limits and injectable faults.
+
+Run it:      python -m load.upstream --port 8100 --rpm 3000 --error-rate 0.01   (every UpstreamConfig field is a flag)
+In process:  with run_upstream(UpstreamConfig(base_latency_ms=1)) as upstream: ... upstream.base_url ...
+
+Each input's embedding is `load.hashvec.hash_embedding(input, dim)`, so a client can check every result belongs to
+its input. Fault settings change at run time through `POST /admin/faults`; counters are at `GET /stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import functools
+import math
+import socket
+import threading
+import time
+import typing
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import bpe_openai
+import httpx
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from load.hashvec import hash_embedding
+
+MAX_INPUTS_PER_CALL = 2048
+
+# Idle connections stay open longer than clients keep them (httpx: 5 s), so a client never reuses one being closed.
+SERVER_OPTIONS: dict[str, Any] = {"log_level": "warning", "access_log": False, "timeout_keep_alive": 75}
+
+
+@functools.cache
+def cl100k() -> bpe_openai.Encoding:
+    """OpenAI's cl100k_base tokenizer: offline and fast (~20 µs a short text), so token counts are exact."""
+    return bpe_openai.get_encoding("cl100k_base")
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """How the simulated provider behaves. Defaults: one-text calls from 50 callers give ~220 items/s."""
+
+    dim: int = field(default=384, metadata={"help": "width of every embedding"})
+    base_latency_ms: float = field(default=42.0, metadata={"help": "latency of a call before per-token cost"})
+    per_token_ms: float = field(default=0.02, metadata={"help": "latency added per input token of the call"})
+    jitter: float = field(default=0.32, metadata={"help": "sigma of the lognormal latency factor (median 1)"})
+    max_concurrency: int = field(default=10, metadata={"help": "calls processed at once; others wait for a slot"})
+    rpm: int | None = field(default=None, metadata={"help": "requests per minute before 429 (none = no limit)"})
+    tpm: int | None = field(default=None, metadata={"help": "tokens per minute before 429 (none = no limit)"})
+    error_rate: float = field(default=0.0, metadata={"help": "fraction of calls answered 500"})
+    max_input_tokens: int = field(default=8192, metadata={"help": "an input longer than this fails its call (400)"})
+    fail_marker: str | None = field(default=None, metadata={"help": "an input containing this fails its call (400)"})
+    slow_marker: str | None = field(default=None, metadata={"help": "an input containing this adds slow_ms to a call"})
+    slow_rate: float = field(default=0.0, metadata={"help": "fraction of calls that take slow_ms extra"})
+    slow_ms: float = field(default=1000.0, metadata={"help": "extra latency of a slow call"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer <key>' on /v1"})
+    seed: int = field(default=0, metadata={"help": "seed of the latency and fault random draws"})
+
+    def __post_init__(self) -> None:
+        durations = (self.base_latency_ms, self.per_token_ms, self.jitter, self.slow_ms)
+        rates = (self.error_rate, self.slow_rate)
+        rules = (
+            ("dim must be >= 1", self.dim >= 1),
+            ("base_latency_ms, per_token_ms, jitter and slow_ms must be >= 0", min(durations) >= 0),
+            ("max_concurrency must be >= 1", self.max_concurrency >= 1),
+            ("rpm and tpm must be None or >= 1", all(limit is None or limit >= 1 for limit in (self.rpm, self.tpm))),
+            ("error_rate and slow_rate must be within [0, 1]", all(0 <= rate <= 1 for rate in rates)),
+            ("max_input_tokens must be >= 1", self.max_input_tokens >= 1),
+            ("fail_marker and slow_marker must be None or non-empty", "" not in (self.fail_marker, self.slow_marker)),
+        )
+        problems = [problem for problem, ok in rules if not ok]
+        if problems:
+            raise ValueError("invalid UpstreamConfig: " + "; ".join(problems))
+
+
+class ProviderError(Exception):
+    """A failed call, answered in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(math.ceil(self.retry_after_s))
+            headers["retry-after-ms"] = str(math.ceil(self.retry_after_s * 1000))
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
+
+
+def invalid_input(index: int, reason: str, code: str) -> ProviderError:
+    return ProviderError(400, f"Invalid 'input[{index}]': {reason}", "invalid_request_error", code=code, param="input")
+
+
+class EmbeddingsRequest(BaseModel):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class FaultChanges(BaseModel):
+    """Fault settings to change; fields left out keep their value, `rpm`/`tpm` null turns the limit off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error_rate: float = 0.0
+    slow_rate: float = 0.0
+    slow_ms: float = 0.0
+    rpm: int | None = None
+    tpm: int | None = None
+    down_for_s: float = Field(default=0.0, ge=0)
+
+
+class MinuteBudget:
+    """A token bucket holding up to `per_minute` units, refilled continuously at `per_minute / 60` per second."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._level = float(per_minute)
+        self._updated = time.monotonic()
+
+    def wait_s(self, amount: int) -> float:
+        """Seconds until `amount` units are available; 0 if they are now."""
+        now = time.monotonic()
+        self._level = min(self.per_minute, self._level + (now - self._updated) * self.per_minute / 60)
+        self._updated = now
+        return max(0.0, (amount - self._level) * 60 / self.per_minute)
+
+    def take(self, amount: int) -> None:
+        self._level -= amount
+
+
+@dataclass
+class UpstreamStats:
+    """Counters over embeddings calls that passed authentication. Items and tokens are billed on success only;
+    `max_concurrent_seen` counts calls in flight at once, including those waiting for a provider slot."""
+
+    calls: int = 0
+    succeeded: int = 0
+    items_billed: int = 0
+    tokens_billed: int = 0
+    largest_batch: int = 0
+    max_concurrent_seen: int = 0
+    failures_by_status: Counter[int] = field(default_factory=Counter)
+
+    def bill(self, items: int, tokens: int) -> None:
+        self.succeeded += 1
+        self.items_billed += items
+        self.tokens_billed += tokens
+        self.largest_batch = max(self.largest_batch, items)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "items_billed": self.items_billed,
+            "tokens_billed": self.tokens_billed,
+            "rejected_429": self.failures_by_status[429],
+            "errors_500": self.failures_by_status[500],
+            "failed_400": self.failures_by_status[400],
+            "unavailable_503": self.failures_by_status[503],
+            "max_concurrent_seen": self.max_concurrent_seen,
+            "batch_size": {
+                "count": self.succeeded,
+                "mean": self.items_billed / self.succeeded if self.succeeded else 0.0,
+                "max": self.largest_batch,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class EmbeddingsResult:
+    body: dict[str, Any]
+    processing_ms: float
+
+
+class SimulatedProvider:
+    """The provider's behaviour behind `POST /v1/embeddings`; all state lives on the server's event loop."""
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self.stats = UpstreamStats()
+        self._rng = np.random.default_rng(config.seed)
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._requests_budget = MinuteBudget(config.rpm) if config.rpm else None
+        self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
+        self._down_until = 0.0
+        self._in_flight = 0
+        self._tokenizer = cl100k()
+
+    async def embeddings(self, body: bytes) -> EmbeddingsResult:
+        self.stats.calls += 1
+        try:
+            return await self._embeddings(body)
+        except ProviderError as error:
+            self.stats.failures_by_status[error.status] += 1
+            raise
+
+    def reset_stats(self) -> None:
+        self.stats = UpstreamStats(max_concurrent_seen=self._in_flight)
+
+    def set_faults(self, changes: FaultChanges) -> None:
+        updates = changes.model_dump(exclude_unset=True)
+        down_for_s = updates.pop("down_for_s", None)
+        try:
+            config = dataclasses.replace(self.config, **updates)
+        except ValueError as error:
+            raise ProviderError(400, str(error), "invalid_request_error") from error
+        if config.rpm != self.config.rpm:
+            self._requests_budget = MinuteBudget(config.rpm) if config.rpm else None
+        if config.tpm != self.config.tpm:
+            self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
+        if down_for_s is not None:
+            self._down_until = time.monotonic() + down_for_s
+        self.config = config
+
+    def faults(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "error_rate": config.error_rate,
+            "slow_rate": config.slow_rate,
+            "slow_ms": config.slow_ms,
+            "rpm": config.rpm,
+            "tpm": config.tpm,
+            "down_for_s": max(0.0, self._down_until - time.monotonic()),
+        }
+
+    async def _embeddings(self, body: bytes) -> EmbeddingsResult:
+        down_for_s = self._down_until - time.monotonic()
+        if down_for_s > 0:
+            raise ProviderError(503, "The server is temporarily unavailable.", "server_error", retry_after_s=down_for_s)
+        request = _parse_request(body)
+        items = _items(request.input)
+        tokens = sum(self._check_items(items))
+        self._check_dimensions(request.dimensions)
+        self._charge_rate_limits(tokens)
+        self._in_flight += 1
+        self.stats.max_concurrent_seen = max(self.stats.max_concurrent_seen, self._in_flight)
+        try:
+            async with self._slots:
+                started = time.perf_counter()
+                await asyncio.sleep(self._latency_s(items, tokens))
+                if self._rng.random() < self.config.error_rate:
+                    raise ProviderError(500, "The server had an error while processing your request.", "server_error")
+                response = self._response(request, items, tokens)
+                self.stats.bill(len(items), tokens)
+                return EmbeddingsResult(response, (time.perf_counter() - started) * 1000)
+        finally:
+            self._in_flight -= 1
+
+    def _check_items(self, items: list[str] | list[list[int]]) -> list[int]:
+        """Token count of every input; the first invalid input fails the call with 400 naming its index."""
+        if not items or len(items) > MAX_INPUTS_PER_CALL:
+            raise ProviderError(
+                400,
+                f"'input' must hold between 1 and {MAX_INPUTS_PER_CALL} items, got {len(items)}.",
+                "invalid_request_error",
+                param="input",
+            )
+        config = self.config
+        tokens = []
+        for index, item in enumerate(items):
+            count = len(self._tokenizer.encode_ordinary(item)) if isinstance(item, str) else len(item)
+            if count == 0:
+                raise invalid_input(index, "the input must not be empty.", "empty_input")
+            if count > config.max_input_tokens:
+                raise invalid_input(
+                    index,
+                    f"maximum input length is {config.max_input_tokens} tokens, got {count} tokens.",
+                    "context_length_exceeded",
+                )
+            if config.fail_marker and isinstance(item, str) and config.fail_marker in item:
+                raise invalid_input(index, "the provider rejected this input.", "invalid_input")
+            tokens.append(count)
+        return tokens
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is not None and not 1 <= dimensions <= self.config.dim:
+            raise ProviderError(
+                400,
+                f"'dimensions' must be between 1 and {self.config.dim}, got {dimensions}.",
+                "invalid_request_error",
+                param="dimensions",
+            )
+
+    def _charge_rate_limits(self, tokens: int) -> None:
+        if self._tokens_budget and tokens > self._tokens_budget.per_minute:
+            raise ProviderError(
+                400,
+                f"Request too large: {tokens} tokens requested, the limit is {self._tokens_budget.per_minute} per min.",
+                "invalid_request_error",
+                code="request_too_large",
+                param="input",
+            )
+        candidates = [(self._requests_budget, 1, "requests"), (self._tokens_budget, tokens, "tokens")]
+        limits = [(budget, amount, kind) for budget, amount, kind in candidates if budget is not None]
+        for budget, amount, kind in limits:
+            wait_s = budget.wait_s(amount)
+            if wait_s > 0:
+                raise ProviderError(
+                    429,
+                    f"Rate limit reached for {kind} per min: limit {budget.per_minute}, requested {amount}. "
+                    f"Please try again in {wait_s:.3f}s.",
+                    kind,
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait_s,
+                )
+        for budget, amount, _ in limits:
+            budget.take(amount)
+
+    def _latency_s(self, items: list[str] | list[list[int]], tokens: int) -> float:
+        config = self.config
+        latency_ms = (config.base_latency_ms + config.per_token_ms * tokens) * self._rng.lognormal(0.0, config.jitter)
+        has_slow_input = config.slow_marker is not None and any(
+            isinstance(item, str) and config.slow_marker in item for item in items
+        )
+        if has_slow_input or self._rng.random() < config.slow_rate:
+            latency_ms += config.slow_ms
+        return latency_ms / 1000
+
+    def _response(self, request: EmbeddingsRequest, items: list[str] | list[list[int]], tokens: int) -> dict[str, Any]:
+        vectors = np.stack([hash_embedding(item, self.config.dim) for item in items])
+        if request.dimensions is not None:
+            vectors = vectors[:, : request.dimensions]
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        encode = _base64_floats if request.encoding_format == "base64" else np.ndarray.tolist
+        data = [{"object": "embedding", "index": i, "embedding": encode(vector)} for i, vector in enumerate(vectors)]
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"object": "list", "data": data, "model": request.model, "usage": usage}
+
+
+def _parse_request(body: bytes) -> EmbeddingsRequest:
+    try:
+        return EmbeddingsRequest.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = ".".join(str(part) for part in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise ProviderError(400, f"Invalid request: {location}: {first['msg']}", "invalid_request_error", param=param)
+
+
+def _items(raw: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
+    if isinstance(raw, str):
+        return [raw]
+    if raw and isinstance(raw[0], int):
+        return [typing.cast(list[int], raw)]
+    return typing.cast(list[str] | list[list[int]], raw)
+
+
+def _base64_floats(vector: np.ndarray) -> str:
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+
+
+def create_app(config: UpstreamConfig) -> FastAPI:
+    provider = SimulatedProvider(config)
+    app = FastAPI(title="Simulated upstream embeddings API")
+
+    @app.exception_handler(ProviderError)
+    async def answer_provider_error(_: Request, error: ProviderError) -> JSONResponse:
+        return error.response()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        if config.api_key is not None and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            raise ProviderError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+        result = await provider.embeddings(await request.body())
+        return JSONResponse(result.body, headers={"openai-processing-ms": f"{result.processing_ms:.0f}"})
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return provider.stats.as_json()
+
+    @app.post("/stats/reset")
+    async def reset_stats() -> dict[str, Any]:
+        provider.reset_stats()
+        return provider.stats.as_json()
+
+    @app.post("/admin/faults")
+    async def set_faults(changes: FaultChanges) -> dict[str, Any]:
+        provider.set_faults(changes)
+        return provider.faults()
+
+    return app
+
+
+@dataclass(frozen=True)
+class RunningUpstream:
+    """A simulated upstream serving in this process; `base_url` is what an OpenAI client takes."""
+
+    root_url: str
+    client: httpx.Client
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root_url}/v1"
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("GET", "/stats")
+
+    def reset(self) -> dict[str, Any]:
+        return self._call("POST", "/stats/reset")
+
+    def set_faults(self, **changes: Any) -> dict[str, Any]:
+        return self._call("POST", "/admin/faults", json=changes)
+
+    def _call(self, method: str, path: str, json: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self.client.request(method, path, json=json)
+        response.raise_for_status()
+        return response.json()
+
+
+@contextmanager
+def run_upstream(
+    config: UpstreamConfig | None = None, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 10.0
+) -> Iterator[RunningUpstream]:
+    """Serve a simulated upstream on `host:port` (0: a free port) in a background thread until the block exits."""
+    app = create_app(config or UpstreamConfig())
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", timeout_graceful_shutdown=1, **SERVER_OPTIONS))
+    with socket.create_server((host, port)) as listener:
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="simulated-upstream")
+        thread.start()
+        try:
+            _wait_until_started(server, thread, startup_timeout_s)
+            bound_host, bound_port = listener.getsockname()[:2]
+            root_url = f"http://{bound_host}:{bound_port}"
+            with httpx.Client(base_url=root_url, timeout=10.0) as client:
+                upstream = RunningUpstream(root_url, client)
+                upstream.stats()
+                yield upstream
+        finally:
+            server.should_exit = True
+            thread.join()
+
+
+def _wait_until_started(server: uvicorn.Server, thread: threading.Thread, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the simulated upstream did not start")
+        time.sleep(0.01)
+
+
+def _argument_type(hint: Any) -> Callable[[str], Any]:
+    """How argparse reads a config field: its type, and for optional fields also the word 'none'."""
+    members = typing.get_args(hint)
+    if type(None) not in members:
+        return hint
+    (value_type,) = [member for member in members if member is not type(None)]
+
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else value_type(text)
+
+    parse.__name__ = value_type.__name__
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, UpstreamConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m load.upstream",
+        description="A simulated OpenAI-compatible embeddings API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8100, help="port to bind")
+    hints = typing.get_type_hints(UpstreamConfig)
+    for config_field in dataclasses.fields(UpstreamConfig):
+        parser.add_argument(
+            f"--{config_field.name.replace('_', '-')}",
+            type=_argument_type(hints[config_field.name]),
+            default=config_field.default,
+            help=config_field.metadata["help"],
+        )
+    args = parser.parse_args(argv)
+    config_values = {name: getattr(args, name) for name in (f.name for f in dataclasses.fields(UpstreamConfig))}
+    try:
+        return args, UpstreamConfig(**config_values)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = parse_args(argv)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, **SERVER_OPTIONS)
+
+
+if __name__ == "__main__":
+    main()
