@@ -1,0 +1,71 @@
+"""The application builder ``serve_config.yaml`` names: ``import_path: deployments.app:build_app``.
+
+One ``EmbeddingModel`` deployment per model entry, named ``embed-<model>``, and one ``EmbeddingsIngress`` holding
+their handles. Each model deployment may take at least ``max_batch_size * max_concurrent_batches`` requests at
+once, so single-text requests can fill its batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from ray.serve import Application
+
+from .config import AppConfig, ModelConfig, parse_app_config
+from .embedder import EmbeddingModel
+from .ingress import EmbeddingsIngress
+
+logger = logging.getLogger("ray.serve")
+
+
+def build_app(args: Mapping[str, Any]) -> Application:
+    config = parse_app_config(args)
+    models = {model.name: bind_model(model) for model in config.models}
+    return bind_ingress(config, models)
+
+
+def model_deployment_options(model: ModelConfig) -> dict[str, Any]:
+    if model.max_ongoing_requests is not None and model.max_ongoing_requests < model.min_ongoing_requests:
+        logger.warning(
+            "model %r: max_ongoing_requests=%d is below max_batch_size * max_concurrent_batches = %d, so its "
+            "batches could never fill with single-input requests; using %d",
+            model.name, model.max_ongoing_requests, model.min_ongoing_requests, model.effective_max_ongoing_requests,
+        )
+    options: dict[str, Any] = {
+        "name": model.deployment_name,
+        "max_ongoing_requests": model.effective_max_ongoing_requests,
+        "ray_actor_options": model.effective_ray_actor_options,
+    }
+    if model.autoscaling is not None:
+        options["autoscaling_config"] = dict(model.autoscaling)
+    else:
+        options["num_replicas"] = model.num_replicas or 1
+    return options
+
+
+def bind_model(model: ModelConfig) -> Application:
+    return EmbeddingModel.options(**model_deployment_options(model)).bind(model)
+
+
+def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
+    # Every model's replicas may be full at once; the ingress must not be the narrower gate.
+    model_capacity = sum(
+        model.effective_max_ongoing_requests * _max_replicas(model) for model in config.models
+    )
+    return {
+        "name": "EmbeddingsIngress",
+        "max_ongoing_requests": max(config.ingress.max_ongoing_requests, model_capacity),
+        "num_replicas": config.ingress.num_replicas,
+        "ray_actor_options": config.ingress.effective_ray_actor_options,
+    }
+
+
+def bind_ingress(config: AppConfig, models: Mapping[str, Application]) -> Application:
+    return EmbeddingsIngress.options(**ingress_deployment_options(config)).bind(dict(models))
+
+
+def _max_replicas(model: ModelConfig) -> int:
+    if model.autoscaling is not None:
+        return int(model.autoscaling.get("max_replicas", 1))
+    return model.num_replicas or 1

@@ -1,0 +1,30 @@
+"""Model access: a backend turns inputs into vectors and knows nothing of batching."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import EmbeddingBackend, Item, ItemRejected, UpstreamError
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+__all__ = ["EmbeddingBackend", "Item", "ItemRejected", "UpstreamError", "make_backend"]
+
+
+def make_backend(model: "ModelConfig") -> EmbeddingBackend:
+    """The backend a model entry names; heavy imports (torch, openai) happen only for the one used."""
+    if model.backend == "local":
+        from .local import LocalBackend
+
+        return LocalBackend(model.model_path)
+    if model.backend == "openai":
+        from .openai_api import OpenAIBackend
+
+        return OpenAIBackend(
+            base_url=model.base_url,
+            upstream_model=model.upstream_model or model.name,
+            api_key_env=model.api_key_env,
+            timeout_s=model.upstream_timeout_s,
+        )
+    raise ValueError(f"unknown backend {model.backend!r}")

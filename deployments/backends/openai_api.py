@@ -1,0 +1,136 @@
+"""Any OpenAI-compatible embeddings API, through ``openai.AsyncOpenAI`` with the SDK's own retries off.
+
+The batcher retries per item, so this backend only classifies what went wrong:
+- a 400/413/422 that fails the call is raised: the batcher splits the batch until the input at fault fails alone;
+- a 429 fails every item in place as retryable, with the upstream's ``retry-after-ms`` / ``Retry-After`` delay;
+- a 5xx, timeout or connection error fails every item in place as retryable;
+- anything else (401, 403, 404, a malformed response) fails every item in place for good.
+Token ids are passed on as they are; token counts come from the upstream model's encoding (cl100k_base or o200k_base).
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import openai
+
+from .. import tokens
+from .base import EmbeddingBackend, Item, ItemRejected, UpstreamError
+
+DEFAULT_RETRY_AFTER_S = 1.0  # a 429 that does not say how long to wait
+_REJECTING_STATUSES = frozenset({400, 413, 422})
+
+
+class OpenAIBackend(EmbeddingBackend):
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        upstream_model: str,
+        api_key_env: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        api_key = os.environ.get(api_key_env, "") if api_key_env else ""
+        self._client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s
+        )
+        self._model = upstream_model
+        self._encoding = tokens.encoding_name_for_model(upstream_model)
+        tokens.get_encoding(self._encoding)  # load the table now, not on the first request
+        self._dimension: int | None = None
+
+    @property
+    def dimension(self) -> int | None:
+        return self._dimension
+
+    def supports_dimensions(self, dimensions: int) -> bool:
+        return dimensions > 0  # the upstream decides; a refusal comes back as a 400 for the input
+
+    def count_tokens(self, item: Item) -> int:
+        if isinstance(item, str):
+            return tokens.count(item, self._encoding)
+        return len(item)
+
+    async def embed(self, items: Sequence[Item], dimensions: int | None = None) -> Sequence[np.ndarray | BaseException]:
+        request: dict[str, Any] = {
+            "model": self._model,
+            "input": [item if isinstance(item, str) else list(item) for item in items],
+            "encoding_format": "base64",
+        }
+        if dimensions is not None:
+            request["dimensions"] = dimensions
+        try:
+            response = await self._client.embeddings.create(**request)
+        except openai.APIStatusError as exc:
+            if exc.status_code in _REJECTING_STATUSES:
+                raise ItemRejected(f"the upstream refused the input: {_upstream_message(exc)}") from None
+            return [_status_error(exc) for _ in items]
+        except openai.APIConnectionError as exc:  # includes APITimeoutError
+            return [UpstreamError(f"upstream unreachable: {exc}", retryable=True) for _ in items]
+        return self._vectors(response, len(items))
+
+    def _vectors(self, response: Any, expected: int) -> list[np.ndarray | BaseException]:
+        data = sorted(response.data, key=lambda entry: entry.index)
+        if len(data) != expected:
+            error = f"the upstream returned {len(data)} embeddings for {expected} inputs"
+            return [UpstreamError(error) for _ in range(expected)]
+        vectors = [_decode_vector(entry.embedding) for entry in data]
+        if vectors and self._dimension is None:
+            self._dimension = int(vectors[0].shape[0])
+        return vectors
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+def _decode_vector(embedding: str | Sequence[float]) -> np.ndarray:
+    if isinstance(embedding, str):  # base64 of little-endian float32
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float32)
+    return np.asarray(embedding, dtype=np.float32)
+
+
+def _status_error(exc: openai.APIStatusError) -> UpstreamError:
+    status = exc.status_code
+    message = f"upstream answered {status}: {_upstream_message(exc)}"
+    if status == 429:
+        delay = retry_after_s(exc.response.headers) or DEFAULT_RETRY_AFTER_S
+        return UpstreamError(message, status=status, retryable=True, retry_after_s=delay)
+    if status >= 500 or status == 408:
+        return UpstreamError(message, status=status, retryable=True, retry_after_s=retry_after_s(exc.response.headers))
+    return UpstreamError(message, status=status)
+
+
+def _upstream_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, Mapping):
+        error = body.get("error", body)
+        if isinstance(error, Mapping) and error.get("message"):
+            return str(error["message"])
+    return exc.message
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The delay an upstream asked for: ``retry-after-ms`` (OpenAI's), else ``Retry-After`` in seconds or as a date."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            return max(0.0, float(millis) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -1,0 +1,264 @@
+"""The application's arguments (``args`` in ``serve_config.yaml``), typed and checked once at start-up.
+
+```yaml
+args:
+  models:
+    - name: all-MiniLM-L6-v2
+      backend: local                 # local | openai
+      model_path: null               # local: defaults to the packaged all-MiniLM-L6-v2
+      batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
+      autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
+  ingress: {max_ongoing_requests: 1024}
+```
+Every problem is reported at once, each prefixed with where it is (``models[1].batching: ...``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from batching import BatcherConfig
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("local", "openai")
+MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
+
+_MODEL_KEYS = frozenset({
+    "name", "backend", "model_path", "base_url", "api_key_env", "upstream_model", "upstream_timeout_s",
+    "batching", "autoscaling", "num_replicas", "max_ongoing_requests", "ray_actor_options",
+})
+_BATCHING_KEYS = BatcherConfig.field_names() | {"max_batch_tokens"}
+_INGRESS_KEYS = frozenset({"max_ongoing_requests", "num_replicas", "env_vars", "ray_actor_options"})
+_APP_KEYS = frozenset({"models", "ingress"})
+
+
+class ConfigError(ValueError):
+    """The application's arguments are invalid; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    backend: str
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    model_path: str | None = None
+    base_url: str | None = None
+    api_key_env: str | None = None
+    upstream_model: str | None = None
+    upstream_timeout_s: float = 30.0
+    autoscaling: Mapping[str, Any] | None = None
+    num_replicas: int | None = None
+    max_ongoing_requests: int | None = None
+    ray_actor_options: Mapping[str, Any] | None = None
+
+    @property
+    def deployment_name(self) -> str:
+        return f"embed-{self.name}"
+
+    @property
+    def min_ongoing_requests(self) -> int:
+        """Fewer concurrent requests per replica than this and single-text requests could never fill the batches."""
+        return self.batcher.max_batch_size * self.batcher.max_concurrent_batches
+
+    @property
+    def effective_max_ongoing_requests(self) -> int:
+        """The user's value, raised to ``min_ongoing_requests`` if lower; by default twice that floor
+        (one set of batches running while the next set fills)."""
+        floor = self.min_ongoing_requests
+        if self.max_ongoing_requests is None:
+            return 2 * floor
+        return max(floor, self.max_ongoing_requests)
+
+    @property
+    def effective_ray_actor_options(self) -> dict[str, Any]:
+        # A local model computes on one core; an API client mostly waits, so it reserves none.
+        options: dict[str, Any] = {"num_cpus": 1 if self.backend == "local" else 0}
+        options.update(self.ray_actor_options or {})
+        return options
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    max_ongoing_requests: int = 1024
+    num_replicas: int = 1
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+    ray_actor_options: Mapping[str, Any] | None = None
+
+    @property
+    def effective_ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": 0}  # it parses JSON and awaits handles
+        options.update(self.ray_actor_options or {})
+        if self.env_vars:
+            runtime_env = dict(options.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **self.env_vars}
+            options["runtime_env"] = runtime_env
+        return options
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    models: tuple[ModelConfig, ...]
+    ingress: IngressConfig = field(default_factory=IngressConfig)
+
+    def model(self, name: str) -> ModelConfig:
+        return next(model for model in self.models if model.name == name)
+
+
+def parse_app_config(args: Mapping[str, Any] | None) -> AppConfig:
+    """Check ``args`` and build the typed config; raise ``ConfigError`` naming every problem."""
+    problems: list[str] = []
+    if not isinstance(args, Mapping):
+        raise ConfigError(f"application args must be a mapping with a 'models' list, not {type(args).__name__}")
+    _unknown_keys(args, _APP_KEYS, "args", problems)
+    entries = args.get("models")
+    models: list[ModelConfig] = []
+    if not isinstance(entries, list) or not entries:
+        problems.append("args.models: must be a non-empty list of model entries")
+        entries = []
+    for i, entry in enumerate(entries):
+        model = _parse_model(entry, f"models[{i}]", problems)
+        if model is not None:
+            models.append(model)
+    names = [model.name for model in models]
+    for name in sorted({name for name in names if names.count(name) > 1}):
+        problems.append(f"models: the name {name!r} is used more than once")
+    ingress = _parse_ingress(args.get("ingress") or {}, problems)
+    if problems:
+        raise ConfigError("invalid application config:\n  - " + "\n  - ".join(problems))
+    return AppConfig(models=tuple(models), ingress=ingress)
+
+
+def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | None:
+    if not isinstance(entry, Mapping):
+        problems.append(f"{where}: must be a mapping, not {type(entry).__name__}")
+        return None
+    before = len(problems)
+    _unknown_keys(entry, _MODEL_KEYS, where, problems)
+    name = entry.get("name")
+    if not isinstance(name, str) or not name.strip() or "#" in name or name != name.strip():
+        problems.append(f"{where}.name: must be a non-empty string without '#' or surrounding spaces, not {name!r}")
+    backend = entry.get("backend", "local")
+    if backend not in BACKENDS:
+        problems.append(f"{where}.backend: must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "openai" and not isinstance(entry.get("base_url"), str):
+        problems.append(f"{where}.base_url: the openai backend needs the upstream's base URL (e.g. https://api.openai.com/v1)")
+    if backend == "local":
+        for key in ("base_url", "api_key_env", "upstream_model"):
+            if entry.get(key) is not None:
+                problems.append(f"{where}.{key}: only the openai backend takes this option")
+    for key in ("model_path", "base_url", "api_key_env", "upstream_model"):
+        if entry.get(key) is not None and not isinstance(entry.get(key), str):
+            problems.append(f"{where}.{key}: must be a string")
+    timeout = entry.get("upstream_timeout_s", 30.0)
+    if not _is_number(timeout) or timeout <= 0:
+        problems.append(f"{where}.upstream_timeout_s: must be a number > 0")
+    batcher = _parse_batching(entry.get("batching") or {}, f"{where}.batching", problems)
+    autoscaling = entry.get("autoscaling")
+    num_replicas = entry.get("num_replicas")
+    if autoscaling is not None:
+        _check_autoscaling(autoscaling, f"{where}.autoscaling", problems)
+        if num_replicas not in (None, "auto"):
+            problems.append(f"{where}: set either autoscaling or num_replicas, not both")
+        num_replicas = None
+    elif num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
+        problems.append(f"{where}.num_replicas: must be an integer >= 1")
+    max_ongoing = entry.get("max_ongoing_requests")
+    if max_ongoing is not None and (not isinstance(max_ongoing, int) or max_ongoing < 1):
+        problems.append(f"{where}.max_ongoing_requests: must be an integer >= 1")
+    actor_options = entry.get("ray_actor_options")
+    if actor_options is not None and not isinstance(actor_options, Mapping):
+        problems.append(f"{where}.ray_actor_options: must be a mapping")
+    if len(problems) > before or batcher is None:
+        return None
+    return ModelConfig(
+        name=name,
+        backend=backend,
+        batcher=batcher,
+        model_path=entry.get("model_path"),
+        base_url=entry.get("base_url"),
+        api_key_env=entry.get("api_key_env"),
+        upstream_model=entry.get("upstream_model"),
+        upstream_timeout_s=float(timeout),
+        autoscaling=dict(autoscaling) if autoscaling is not None else None,
+        num_replicas=num_replicas,
+        max_ongoing_requests=max_ongoing,
+        ray_actor_options=dict(actor_options) if actor_options is not None else None,
+    )
+
+
+def _parse_batching(section: Any, where: str, problems: list[str]) -> BatcherConfig | None:
+    if not isinstance(section, Mapping):
+        problems.append(f"{where}: must be a mapping of BatcherConfig fields")
+        return None
+    before = len(problems)
+    _unknown_keys(section, _BATCHING_KEYS, where, problems)
+    fields_ = {key: value for key, value in section.items() if key in BatcherConfig.field_names()}
+    if "max_batch_tokens" in section:
+        if "max_batch_cost" in section:
+            problems.append(f"{where}: set max_batch_tokens or max_batch_cost, not both (they are the same budget)")
+        fields_["max_batch_cost"] = section["max_batch_tokens"]
+    if len(problems) > before:
+        return None
+    try:
+        config = BatcherConfig(**fields_)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"{where}: {exc}")
+        return None
+    if config.max_queue_depth < MAX_INPUTS:
+        logger.warning("%s: max_queue_depth=%d is below %d, so a full-size request can never be admitted",
+                       where, config.max_queue_depth, MAX_INPUTS)
+    return config
+
+
+def _check_autoscaling(section: Any, where: str, problems: list[str]) -> None:
+    if not isinstance(section, Mapping):
+        problems.append(f"{where}: must be a mapping (Ray Serve autoscaling_config)")
+        return
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    try:
+        AutoscalingConfig(**section)
+    except (ValidationError, ValueError, TypeError, ImportError, AttributeError) as exc:
+        problems.append(f"{where}: {exc}".replace("\n", " "))
+
+
+def _parse_ingress(section: Any, problems: list[str]) -> IngressConfig:
+    if not isinstance(section, Mapping):
+        problems.append("args.ingress: must be a mapping")
+        return IngressConfig()
+    _unknown_keys(section, _INGRESS_KEYS, "ingress", problems)
+    defaults = IngressConfig()
+    max_ongoing = section.get("max_ongoing_requests", defaults.max_ongoing_requests)
+    if not isinstance(max_ongoing, int) or max_ongoing < 1:
+        problems.append("ingress.max_ongoing_requests: must be an integer >= 1")
+    num_replicas = section.get("num_replicas", defaults.num_replicas)
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        problems.append("ingress.num_replicas: must be an integer >= 1")
+    env_vars = section.get("env_vars") or {}
+    if not isinstance(env_vars, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+        problems.append("ingress.env_vars: must map names to string values")
+        env_vars = {}
+    actor_options = section.get("ray_actor_options")
+    if actor_options is not None and not isinstance(actor_options, Mapping):
+        problems.append("ingress.ray_actor_options: must be a mapping")
+        actor_options = None
+    return IngressConfig(
+        max_ongoing_requests=max_ongoing if isinstance(max_ongoing, int) else defaults.max_ongoing_requests,
+        num_replicas=num_replicas if isinstance(num_replicas, int) else defaults.num_replicas,
+        env_vars=dict(env_vars),
+        ray_actor_options=dict(actor_options) if actor_options is not None else None,
+    )
+
+
+def _unknown_keys(section: Mapping[str, Any], allowed: frozenset[str], where: str, problems: list[str]) -> None:
+    unknown = sorted(str(key) for key in section if key not in allowed)
+    if unknown:
+        problems.append(f"{where}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

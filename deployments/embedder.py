@@ -1,0 +1,179 @@
+"""``EmbeddingModel``: one model behind one ``AdaptiveBatcher`` per output size, as a Ray Serve deployment.
+
+Every input of a request is one item in the shared queue, so a request's inputs ride with other requests' inputs,
+and a failing input fails alone. Handle callers get ``(vectors float32 [n, d], token_counts)`` or a
+``deployments.errors.ServiceError`` naming the input at fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, NamedTuple, Sequence
+
+import numpy as np
+from ray import serve
+
+from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, Overloaded,
+                      Priority)
+
+from .autoscaling import QUEUE_DEPTH_METRIC
+from .backends import EmbeddingBackend, Item, ItemRejected, UpstreamError, make_backend
+from .config import ModelConfig
+from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
+                     UpstreamFailed)
+from .metrics import RayServeMetrics
+
+logger = logging.getLogger("ray.serve")
+
+
+class Payload(NamedTuple):
+    """What one queued item carries: the input (text, or token ids as a tuple so equal inputs dedupe) and its cost."""
+
+    content: str | tuple[int, ...]
+    tokens: int
+
+
+def _token_cost(payload: Payload) -> float:
+    return payload.tokens
+
+
+@serve.deployment
+class EmbeddingModel:
+    def __init__(
+        self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None
+    ) -> None:
+        """``backend`` and ``metrics`` default to what the model entry names and the Ray Serve metrics sink."""
+        self._model = model
+        self._backend = backend if backend is not None else make_backend(model)
+        self._metrics = metrics if metrics is not None else RayServeMetrics()
+        self._batchers: dict[int | None, AdaptiveBatcher[Payload, np.ndarray]] = {}
+        self._closing = False
+
+    async def embed(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        priority: Priority | str = "high",
+        timeout_s: float | None = None,
+        dimensions: int | None = None,
+    ) -> tuple[np.ndarray, list[int]]:
+        try:
+            level = Priority.parse(priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="priority") from None
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
+        if not texts:
+            raise InvalidRequest("there is nothing to embed", param="input")
+        batcher = self._batcher(self._output_size(dimensions))
+        counts = await self._backend.count_tokens_many(texts)
+        self._raise_first_failure(counts)
+        payloads = [Payload(_hashable(item), count) for item, count in zip(texts, counts)]
+        try:
+            outcomes = await batcher.submit_many(payloads, priority=level, timeout_s=timeout_s, return_exceptions=True)
+        except Overloaded as exc:
+            raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
+                                  retry_after_s=exc.retry_after_s) from None
+        except BatcherClosed:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry") from None
+        except ValueError as exc:  # more items than the queue can ever hold
+            raise InvalidRequest(str(exc), param="input") from None
+        self._raise_first_failure(outcomes)
+        return np.stack(outcomes).astype(np.float32, copy=False), [int(count) for count in counts]
+
+    async def stats(self) -> dict[str, BatcherStats]:
+        """Each batcher's counters, by batcher name."""
+        return {batcher.name: batcher.stats() for batcher in self._batchers.values()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve every few seconds and handed to the autoscaling policy."""
+        snapshots = [batcher.stats() for batcher in self._batchers.values()]
+        return {
+            QUEUE_DEPTH_METRIC: float(sum(s.queue_depth + s.delayed for s in snapshots)),
+            "in_flight_batches": float(sum(s.in_flight_batches for s in snapshots)),
+        }
+
+    async def aclose(self) -> None:
+        """Stop taking inputs, send every queued one and wait for it, then release the backend."""
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(batcher.aclose(drain=True) for batcher in self._batchers.values()))
+        await self._backend.aclose()
+
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve calls ``__del__`` on replica shutdown (after it stopped routing requests here) and awaits the
+        coroutine it returns: the queued inputs are drained. The garbage collector calls it too, with no running
+        event loop; there is then nothing to drain into, and nothing is returned."""
+        if getattr(self, "_closing", True):  # closed already, or __init__ never finished
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self.aclose()
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _output_size(self, dimensions: int | None) -> int | None:
+        """The batcher key: None for the model's own size, so asking for it explicitly shares that batcher."""
+        if dimensions is None or dimensions == self._backend.dimension:
+            return None
+        valid = isinstance(dimensions, int) and not isinstance(dimensions, bool) and dimensions >= 1
+        if not valid or not self._backend.supports_dimensions(dimensions):
+            native = self._backend.dimension
+            hint = f"omit it or send {native}" if native else "send a positive integer"
+            raise InvalidRequest(
+                f"model {self._model.name!r} cannot return {dimensions!r}-dimensional embeddings; {hint}",
+                param="dimensions",
+            )
+        return dimensions
+
+    def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Payload, np.ndarray]:
+        if self._closing:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
+        batcher = self._batchers.get(dimensions)
+        if batcher is None:
+            size = dimensions or self._backend.dimension or "default"
+            backend = self._backend
+
+            async def process(payloads: list[Payload]) -> Sequence[np.ndarray | BaseException]:
+                return await backend.embed([payload.content for payload in payloads], dimensions)
+
+            batcher = AdaptiveBatcher(
+                process,
+                self._model.batcher,
+                cost_fn=_token_cost,
+                metrics=self._metrics,
+                name=f"{self._model.name}/d={size}",
+            )
+            self._batchers[dimensions] = batcher
+        return batcher
+
+    def _raise_first_failure(self, outcomes: Sequence[Any]) -> None:
+        failures = [(i, outcome) for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
+        if not failures:
+            return
+        index, error = failures[0]
+        more = f" ({len(failures) - 1} more input(s) failed too)" if len(failures) > 1 else ""
+        raise _service_error(error, index, more, self._model.name) from None
+
+
+def _service_error(error: BaseException, index: int, more: str, model: str) -> ServiceError:
+    where = f"input[{index}]"
+    if isinstance(error, ServiceError):
+        return error
+    if isinstance(error, ItemRejected):
+        return InvalidRequest(f"{where}: {error}{more}", param="input", index=index)
+    if isinstance(error, DeadlineExceeded):
+        return RequestTimedOut(f"{where}: the request timed out before it was embedded{more}", index=index)
+    if isinstance(error, BatcherClosed):
+        return ServiceUnavailable(f"model {model!r} is shutting down; retry{more}", index=index)
+    if isinstance(error, (UpstreamError, ConnectionError, TimeoutError)):
+        return UpstreamFailed(f"{where}: the upstream model failed: {error}{more}", index=index)
+    logger.error("model %r failed on %s", model, where, exc_info=error)
+    return ServiceError(f"{where}: the model failed ({type(error).__name__}){more}", index=index)
+
+
+def _hashable(item: Item) -> str | tuple[int, ...]:
+    return item if isinstance(item, str) else tuple(item)

@@ -1,0 +1,140 @@
+"""The OpenAI embeddings wire format: the request body, the response body, and headers that shape a request."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
+
+from batching import Priority
+
+from .config import MAX_INPUTS
+from .errors import InvalidRequest
+
+Inputs = list[str] | list[list[int]]
+
+_INPUT_SHAPES = "a non-empty string, an array of strings, an array of token ids, or an array of token-id arrays"
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``. Unknown fields are accepted and ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+    user: StrictStr | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _one_of_the_input_shapes(cls, value: Any) -> Any:
+        normalize_input(value)
+        return value
+
+    def inputs(self) -> Inputs:
+        """The inputs as a list of items: texts, or token-id lists."""
+        return normalize_input(self.input)
+
+
+def normalize_input(value: Any) -> Inputs:
+    """``input`` as a list of items; ``ValueError`` saying what is wrong, OpenAI-style."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("'input' must not be an empty string")
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'input' must be {_INPUT_SHAPES}")
+    if all(_is_token(token) for token in value):
+        return [value]
+    if len(value) > MAX_INPUTS:
+        raise ValueError(f"'input' holds {len(value)} items; at most {MAX_INPUTS} are allowed per request")
+    if all(isinstance(item, str) for item in value):
+        for i, item in enumerate(value):
+            if not item:
+                raise ValueError(f"'input[{i}]' must not be an empty string")
+        return value
+    if all(isinstance(item, list) for item in value):
+        for i, item in enumerate(value):
+            if not item:
+                raise ValueError(f"'input[{i}]' must not be an empty array of token ids")
+            if not all(_is_token(token) for token in item):
+                raise ValueError(f"'input[{i}]' must hold non-negative integer token ids only")
+        return value
+    raise ValueError(f"'input' must be {_INPUT_SHAPES}; its items must all be strings or all be token-id arrays")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_request(body: bytes) -> EmbeddingRequest:
+    try:
+        return EmbeddingRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_request_from(exc) from None
+
+
+def invalid_request_from(exc: ValidationError) -> InvalidRequest:
+    """The first problem pydantic found, as an OpenAI 400 naming the field."""
+    error = exc.errors(include_url=False)[0]
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = location[0] if location else None
+    if error.get("type") == "json_invalid":
+        return InvalidRequest(f"the body is not valid JSON: {error.get('msg', '')}".rstrip(": "))
+    message = str(error.get("msg", "invalid request"))
+    message = message.removeprefix("Value error, ")
+    if error.get("type") == "missing":
+        message = f"'{'.'.join(location)}' is required"
+    elif param and f"'{param}" not in message:
+        message = f"'{'.'.join(location)}': {message}"
+    return InvalidRequest(message, param=param)
+
+
+def parse_priority(header: str | None) -> Priority:
+    if header is None:
+        return Priority.HIGH
+    try:
+        return Priority.parse(header)
+    except ValueError:
+        raise InvalidRequest(f"X-Priority must be 'high' or 'low', not {header!r}", param="X-Priority") from None
+
+
+def parse_timeout(header: str | None) -> float | None:
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidRequest(
+            f"X-Request-Timeout must be a positive number of seconds, not {header!r}", param="X-Request-Timeout"
+        )
+    return seconds
+
+
+def embedding_response(model: str, vectors: np.ndarray, token_counts: list[int], encoding_format: str) -> bytes:
+    """The response body, data in input order; base64 is the little-endian float32 bytes of each vector."""
+    if encoding_format == "base64":
+        little_endian = vectors.astype("<f4", copy=False)
+        embeddings: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in little_endian]
+    else:
+        embeddings = vectors.tolist()
+    tokens = int(sum(token_counts))
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def model_card(name: str, created: int, owned_by: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": owned_by}

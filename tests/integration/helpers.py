@@ -1,0 +1,50 @@
+"""What the integration tests share: the service's address and clients, and the default application's args."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_NAME = "embeddings"
+MODEL = "all-MiniLM-L6-v2"
+API_KEYS = ("integration-key-1", "integration-key-2")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Service:
+    url: str  # the Serve HTTP proxy, e.g. http://127.0.0.1:PORT
+
+    def client(self, prefix: str = "", api_key: str = API_KEYS[0]) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def async_client(self, prefix: str = "", api_key: str = API_KEYS[0]) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}{prefix}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120)
+
+
+def default_app_args() -> dict[str, Any]:
+    """``serve_config.yaml``'s application args, held at one replica so the tests can read its batcher stats,
+    and with API keys required (through the ingress's runtime_env)."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    (application,) = [app for app in config["applications"] if app["name"] == APP_NAME]
+    args = copy.deepcopy(application["args"])
+    for model in args["models"]:
+        model["autoscaling"] = {**model["autoscaling"], "min_replicas": 1, "max_replicas": 1}
+    args["ingress"] = {"env_vars": {"EMBEDDINGS_API_KEYS": ",".join(API_KEYS)}}
+    return args

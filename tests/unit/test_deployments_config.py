@@ -1,0 +1,115 @@
+"""The application's arguments: checked at start-up with clear messages, and the deployment options they give."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batching import BatcherConfig
+from deployments.app import build_app, ingress_deployment_options, model_deployment_options
+from deployments.config import ConfigError, ModelConfig, parse_app_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_config_args() -> dict:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "deployments.app:build_app"
+    return application["args"]
+
+
+def test_the_shipped_serve_config_parses() -> None:
+    config = parse_app_config(serve_config_args())
+    (model,) = config.models
+    assert (model.name, model.backend, model.deployment_name) == ("all-MiniLM-L6-v2", "local", "embed-all-MiniLM-L6-v2")
+    assert model.batcher == BatcherConfig(
+        max_batch_size=64, max_wait_ms=25, scale_factor=10, max_concurrent_batches=2, max_batch_cost=8192
+    )
+    assert model.autoscaling["policy"]["policy_function"] == "deployments.autoscaling:QueueDepthPolicy"
+
+
+def test_the_shipped_serve_config_builds_an_application() -> None:
+    assert build_app(serve_config_args()) is not None
+
+
+def test_every_problem_is_reported_with_where_it_is() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_app_config({
+            "models": [
+                {"name": "a", "backend": "gpu", "batching": {"max_batch": 3}},
+                {"name": "b", "backend": "openai"},
+                {"name": "c", "batching": {"max_batch_size": 0}},
+                {"name": "d", "autoscaling": {"min_replicas": 3, "max_replicas": 1}},
+            ],
+            "extra": 1,
+        })
+    message = str(caught.value)
+    assert "models[0].backend: must be one of local, openai" in message
+    assert "models[0].batching: unknown setting(s) max_batch" in message
+    assert "models[1].base_url" in message
+    assert "models[2].batching: invalid BatcherConfig: max_batch_size must be >= 1" in message
+    assert "models[3].autoscaling" in message and "max_replicas" in message
+    assert "args: unknown setting(s) extra" in message
+
+
+@pytest.mark.parametrize("args", [None, {}, {"models": []}, {"models": "x"}, [1]])
+def test_missing_models_are_refused(args) -> None:
+    with pytest.raises(ConfigError):
+        parse_app_config(args)
+
+
+def test_duplicate_model_names_are_refused() -> None:
+    with pytest.raises(ConfigError, match="used more than once"):
+        parse_app_config({"models": [{"name": "m"}, {"name": "m"}]})
+
+
+def test_max_batch_tokens_is_the_batchers_cost_budget() -> None:
+    config = parse_app_config({"models": [{"name": "m", "batching": {"max_batch_tokens": 4096}}]})
+    assert config.models[0].batcher.max_batch_cost == 4096
+    with pytest.raises(ConfigError, match="not both"):
+        parse_app_config({"models": [{"name": "m", "batching": {"max_batch_tokens": 1, "max_batch_cost": 2}}]})
+
+
+def test_openai_entries_keep_their_backend_options() -> None:
+    config = parse_app_config({"models": [{
+        "name": "small", "backend": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key_env": "KEY",
+        "upstream_model": "text-embedding-3-small",
+    }]})
+    model = config.models[0]
+    assert (model.base_url, model.api_key_env, model.upstream_model) == ("http://127.0.0.1:9/v1", "KEY", "text-embedding-3-small")
+    assert model_deployment_options(model)["ray_actor_options"] == {"num_cpus": 0}
+
+
+def test_max_ongoing_requests_lets_batches_fill() -> None:
+    model = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_batch_size=64, max_concurrent_batches=2))
+    assert model_deployment_options(model)["max_ongoing_requests"] == 256
+
+
+def test_a_too_low_max_ongoing_requests_is_raised_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_batch_size=64, max_concurrent_batches=2),
+                        max_ongoing_requests=10)
+    with caplog.at_level(logging.WARNING):
+        options = model_deployment_options(model)
+    assert options["max_ongoing_requests"] == 128
+    assert "max_ongoing_requests=10" in caplog.text
+
+
+def test_autoscaling_or_a_fixed_replica_count() -> None:
+    scaled = ModelConfig(name="m", backend="local", autoscaling={"min_replicas": 1, "max_replicas": 2})
+    assert "num_replicas" not in model_deployment_options(scaled)
+    assert model_deployment_options(scaled)["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2}
+    fixed = ModelConfig(name="m", backend="local", num_replicas=3)
+    assert model_deployment_options(fixed)["num_replicas"] == 3
+
+
+def test_the_ingress_admits_at_least_what_the_models_can_take() -> None:
+    config = parse_app_config({"models": [
+        {"name": "a", "batching": {"max_batch_size": 512, "max_concurrent_batches": 2}, "num_replicas": 2},
+    ], "ingress": {"max_ongoing_requests": 100, "env_vars": {"EMBEDDINGS_API_KEYS": "k"}}})
+    options = ingress_deployment_options(config)
+    assert options["max_ongoing_requests"] == 2 * 2048
+    assert options["ray_actor_options"] == {"num_cpus": 0, "runtime_env": {"env_vars": {"EMBEDDINGS_API_KEYS": "k"}}}

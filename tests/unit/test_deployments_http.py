@@ -1,0 +1,130 @@
+"""The OpenAI wire format, API-key auth and the offline token encodings, without Ray."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from batching import Priority
+from deployments import tokens
+from deployments.auth import ApiKeys
+from deployments.errors import AuthenticationFailed, InvalidRequest
+from deployments.schemas import embedding_response, normalize_input, parse_priority, parse_request, parse_timeout
+
+
+def request(**body) -> bytes:
+    return json.dumps({"model": "m", **body}).encode()
+
+
+@pytest.mark.parametrize("value, items", [
+    ("one text", ["one text"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_every_input_shape_becomes_a_list_of_items(value, items) -> None:
+    assert parse_request(request(input=value)).inputs() == items
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("", "empty string"),
+    ([], "must be a non-empty string"),
+    (["a", ""], "input[1]' must not be an empty string"),
+    ([[1], []], "input[1]' must not be an empty array"),
+    (["a", 1], "all be strings"),
+    ([[1, -2]], "non-negative integer"),
+    ([True, False], "must be"),
+    (None, "must be"),
+    (["x"] * 2049, "at most 2048"),
+])
+def test_malformed_input_is_a_400_naming_input(value, fragment) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(request(input=value))
+    assert caught.value.param == "input" and caught.value.status == 400
+    assert fragment in caught.value.message
+
+
+def test_2048_inputs_are_accepted() -> None:
+    assert len(normalize_input(["x"] * 2048)) == 2048
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b"[]", None),
+    (json.dumps({"input": "x"}).encode(), "model"),
+    (request(input="x", encoding_format="hex"), "encoding_format"),
+    (request(input="x", dimensions=0), "dimensions"),
+    (request(input="x", dimensions="384"), "dimensions"),
+])
+def test_other_malformed_bodies_are_400s(body, param) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(body)
+    assert caught.value.param == param
+    assert set(caught.value.to_body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_fields_are_tolerated() -> None:
+    parsed = parse_request(request(input="x", user="u-1", something_new={"a": 1}))
+    assert parsed.encoding_format == "float" and parsed.user == "u-1"
+
+
+def test_base64_is_little_endian_float32_and_agrees_with_float() -> None:
+    vectors = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    as_float = json.loads(embedding_response("m", vectors, [2, 3, 4], "float"))
+    as_base64 = json.loads(embedding_response("m", vectors, [2, 3, 4], "base64"))
+    for i, (f, b) in enumerate(zip(as_float["data"], as_base64["data"])):
+        assert f["index"] == b["index"] == i and f["object"] == "embedding"
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, vectors[i])
+        np.testing.assert_array_equal(np.asarray(f["embedding"], dtype=np.float32), vectors[i])
+    assert as_float["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+    assert as_float["object"] == "list" and as_float["model"] == "m"
+
+
+def test_priority_and_timeout_headers() -> None:
+    assert parse_priority(None) is Priority.HIGH and parse_priority("LOW") is Priority.LOW
+    assert parse_timeout(None) is None and parse_timeout("2.5") == 2.5
+    for bad in ("urgent", ""):
+        with pytest.raises(InvalidRequest):
+            parse_priority(bad)
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(InvalidRequest):
+            parse_timeout(bad)
+
+
+def test_without_configured_keys_no_key_is_needed() -> None:
+    ApiKeys.from_env({}).check(None)
+    ApiKeys.from_env({"EMBEDDINGS_API_KEYS": " , "}).check(None)
+
+
+def test_a_configured_key_is_required() -> None:
+    keys = ApiKeys.from_env({"EMBEDDINGS_API_KEYS": "first-key, second-key"})
+    keys.check("Bearer first-key")
+    keys.check("bearer second-key")
+    for bad in (None, "", "Bearer", "Bearer wrong", "Basic first-key", "first-key", "Bearer first-keyX", "Bearer ключ"):
+        with pytest.raises(AuthenticationFailed) as caught:
+            keys.check(bad)
+        assert caught.value.status == 401 and "first-key" not in caught.value.message
+
+
+def test_token_ids_decode_back_to_their_text() -> None:
+    text = "Embeddings, offline: naïve café ☕"
+    ids = tokens.encode(text)
+    assert tokens.decode(ids) == text
+    assert tokens.count(text) == len(ids)
+    assert tokens.encode("<|endoftext|>") != [100257]  # special-token text is ordinary text
+
+
+@pytest.mark.parametrize("ids", [[100256], [-1], [10**9], [1, "2"], [True]])
+def test_ids_that_are_not_cl100k_tokens_are_refused(ids) -> None:
+    with pytest.raises(tokens.TokenDecodeError):
+        tokens.decode(ids)
+
+
+def test_newer_openai_models_count_in_o200k() -> None:
+    assert tokens.encoding_name_for_model("gpt-4o") == "o200k_base"
+    assert tokens.encoding_name_for_model("text-embedding-3-small") == "cl100k_base"
+    assert tokens.encoding_name_for_model("some-self-hosted-model") == "cl100k_base"
