@@ -1,0 +1,188 @@
+"""Over HTTP through Ray Serve (ingress → model deployment → simulated upstream): this batcher vs ``@serve.batch``.
+
+Three copies of the application run side by side on one Ray cluster, each with one model replica of the ``openai``
+backend pointed at the simulated upstream (its own process): ``adaptive`` (``AdaptiveBatcher``, max_batch 200,
+max_wait 25 ms, scale_factor 15), ``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items
+or 25 ms), and ``unbatched`` (``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added
+by batching). Single-text requests, closed loop at concurrency 1, 16, 64, interleaved and repeated; every vector is
+checked against its text's hash. The upstream's own latency is measured by calling it directly, one text at a time.
+
+Target: at concurrency 1, adaptive adds ≤ 2 ms over the unbatched service path (which itself adds Ray Serve's two
+hops over the upstream's own latency); ``@serve.batch`` adds its 25 ms timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+from ray import serve
+
+from deployments.backends import make_backend
+from deployments.config import ModelConfig
+from load.loadgen import check, closed_loop
+from load.upstream import UpstreamConfig
+from load.upstream_client import UpstreamClient
+from load.workload import pseudo_sentences
+
+from .harness import add_common_arguments
+from .report import machine_info, markdown_table, write_results
+from .serving import UNBATCHED, compare_over_http, deployed, median_of, serve_cluster
+from .upstream_process import upstream_config_from, upstream_process
+
+MODEL = "sim-embed"
+MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, CONCURRENT_BATCHES = 200, 25.0, 15.0, 4
+TARGET_ADDED_MS = 2.0
+
+
+@serve.deployment
+class ServeBatchedModel:
+    """The ``openai`` backend behind Ray Serve's own ``@serve.batch``, answering like ``EmbeddingModel.embed``."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self._backend = make_backend(model)
+
+    @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=MAX_WAIT_MS / 1000,
+                 max_concurrent_batches=CONCURRENT_BATCHES)
+    async def _embed_batch(self, texts: list[str]) -> Sequence[Any]:
+        return await self._backend.embed(texts)
+
+    async def embed(self, texts: Sequence[str], priority: str = "high", timeout_s: float | None = None,
+                    dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:
+        vectors = await asyncio.gather(*(self._embed_batch(text) for text in texts))
+        counts = await self._backend.count_tokens_many(texts)
+        return np.stack(vectors).astype(np.float32), [int(count) for count in counts]
+
+    async def stats(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Settings:
+    levels: tuple[tuple[int, int], ...] = ((1, 100), (16, 800), (64, 1600))  # (concurrency, requests)
+    repeats: int = 2
+    mean_chars: int = 120
+
+
+QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, repeats=Settings.repeats)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    base = QUICK if args.quick else Settings()
+    return replace(base, repeats=args.repeats or base.repeats)
+
+
+def model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
+    return {
+        "name": MODEL, "backend": "openai", "base_url": base_url, "upstream_model": MODEL, "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0},
+        "batching": {"max_batch_size": MAX_BATCH, "max_wait_ms": MAX_WAIT_MS, "scale_factor": SCALE_FACTOR,
+                     "max_concurrent_batches": CONCURRENT_BATCHES, **batching},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    upstream = upstream_config_from(args)
+    with upstream_process(upstream) as root_url, serve_cluster() as proxy:
+        return measure(proxy, root_url, upstream, settings_from(args), getattr(args, "results_dir", None))
+
+
+def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
+            results_dir: Any = None) -> dict[str, Any]:
+    """The scenario on a running Serve instance (HTTP proxy at ``proxy``) and upstream (at ``root_url``)."""
+    from deployments.app import bind_ingress, build_app, model_deployment_options
+    from deployments.config import parse_app_config
+
+    texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
+    base_url = f"{root_url}/v1"
+    serve_batch_config = parse_app_config({"models": [model_entry(base_url)]})
+    (serve_batch_model,) = serve_batch_config.models
+    apps = {
+        "adaptive": build_app({"models": [model_entry(base_url)]}),
+        "serve-batch": bind_ingress(serve_batch_config, {MODEL: ServeBatchedModel.options(
+            **model_deployment_options(serve_batch_model)).bind(serve_batch_model)}),
+        "unbatched": build_app({"models": [model_entry(base_url, **UNBATCHED)]}),
+    }
+    direct = asyncio.run(upstream_alone(root_url, texts[:settings.levels[0][1]], upstream.dim))
+    with deployed(proxy, apps, MODEL) as targets:
+        runs = asyncio.run(compare_over_http(targets, MODEL, texts, settings.levels, settings.repeats, upstream.dim))
+    rows = summarise(runs)
+    one = rows[str(settings.levels[0][0])]
+    added = {label: one[label]["p50_ms"] - one["unbatched"]["p50_ms"] for label in ("adaptive", "serve-batch")}
+    data = {
+        "machine": machine_info(),
+        "settings": asdict(settings),
+        "upstream": asdict(upstream),
+        "upstream_alone_p50_ms": direct["p50_ms"],
+        "rows": rows,
+        "added_p50_ms_at_lowest_concurrency": added,
+        "target": {"adaptive_added_ms": added["adaptive"], "needed_ms": TARGET_ADDED_MS,
+                   "met": added["adaptive"] <= TARGET_ADDED_MS},
+        "runs": runs,
+    }
+    body = render(settings, upstream, direct, rows, data)
+    md_path, json_path = write_results("e2e", "End to end through Ray Serve: adaptive vs @serve.batch", body, data,
+                                       results_dir)
+    print(md_path.read_text(encoding="utf-8"))
+    print(f"wrote {md_path} and {json_path}")
+    return data
+
+
+async def upstream_alone(root_url: str, texts: Sequence[str], dim: int) -> dict[str, Any]:
+    """One text per call straight to the upstream, one caller: its own latency as this client sees it."""
+    async with UpstreamClient(root_url, model=MODEL) as client:
+        async def embed_one(text: str) -> Any:
+            return (await client.embed([text]))[0]
+
+        return check(await closed_loop(embed_one, texts, 1), texts, dim).summary()
+
+
+def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for concurrency in runs["adaptive"]:
+        rows[str(concurrency)] = {
+            label: {
+                **{key: median_of(runs[label][concurrency], key)
+                   for key in ("items_per_s", "p50_ms", "p99_ms", "mean_batch_size")},
+                "errors": sum(r["errors"] for r in runs[label][concurrency]),
+                "mismatches": sum(r["mismatches"] for r in runs[label][concurrency]),
+            }
+            for label in runs
+        }
+    return rows
+
+
+def render(settings: Settings, upstream: UpstreamConfig, direct: dict[str, Any], rows: dict[str, Any],
+           data: dict[str, Any]) -> str:
+    def fmt(value: float | None, digits: int = 1) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    table = markdown_table(
+        ["concurrency", "variant", "texts/s", "P50 ms", "P99 ms", "mean batch", "errors", "mismatches"],
+        [[c, label, fmt(cell["items_per_s"]), fmt(cell["p50_ms"]), fmt(cell["p99_ms"]),
+          fmt(cell["mean_batch_size"]), cell["errors"], cell["mismatches"]]
+         for c, row in rows.items() for label, cell in row.items()],
+    )
+    added = data["added_p50_ms_at_lowest_concurrency"]
+    verdict = "met" if data["target"]["met"] else "**not met**"
+    return f"""\
+Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per level: \
+{", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} interleaved repeat(s), medians.
+Upstream in its own process: base {upstream.base_latency_ms:g} ms + {upstream.per_token_ms:g} ms/token, jitter \
+{upstream.jitter:g}, provider concurrency {upstream.max_concurrency}. The upstream alone (one caller, one text per \
+call): P50 {fmt(direct['p50_ms'])} ms. `mean batch` is what the adaptive batcher formed (`@serve.batch` has no \
+such counter).
+
+{table}
+
+At concurrency {settings.levels[0][0]}, over the unbatched service path (P50): adaptive adds \
+{fmt(added['adaptive'])} ms, `@serve.batch` adds {fmt(added['serve-batch'])} ms. Target (adaptive adds ≤ \
+{TARGET_ADDED_MS:g} ms): {verdict}.
+"""

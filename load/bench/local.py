@@ -1,0 +1,113 @@
+"""The local MiniLM through the full service: batched vs unbatched, single-text requests at concurrency 1, 16, 64.
+
+Two copies of the application from ``serve_config.yaml`` run side by side on one Ray cluster, each with one model
+replica: ``batched`` with the configured batching, ``unbatched`` with ``max_batch_size`` 1 and no wait (every
+request is one model call). At each concurrency the two run one after the other, in a rotating order, repeated;
+the table shows medians. Target: at concurrency 64, batched ≥ 3× the unbatched texts/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from load.workload import pseudo_sentences
+
+from .report import machine_info, markdown_table, write_results
+from .serving import UNBATCHED, compare_over_http, default_models, deployed, median_of, one_replica, serve_cluster
+
+TARGET_SPEEDUP_AT_64 = 3.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    levels: tuple[tuple[int, int], ...] = ((1, 64), (16, 384), (64, 768))  # (concurrency, requests)
+    repeats: int = 2
+    mean_chars: int = 120
+
+
+QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
+    parser.add_argument("--repeats", type=int, help=f"interleaved repeats (default {Settings.repeats})")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    base = QUICK if args.quick else Settings()
+    return replace(base, repeats=args.repeats or base.repeats)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with serve_cluster() as proxy:
+        return measure(proxy, settings_from(args), getattr(args, "results_dir", None))
+
+
+def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str, Any]:
+    """The scenario on a running Serve instance whose HTTP proxy is at ``proxy``."""
+    from deployments.app import build_app
+
+    model = default_models()[0]
+    name = model["name"]
+    texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
+    apps = {"batched": build_app({"models": [one_replica(model)]}),
+            "unbatched": build_app({"models": [one_replica(model, **UNBATCHED)]})}
+    with deployed(proxy, apps, name) as targets:
+        runs = asyncio.run(compare_over_http(targets, name, texts, settings.levels, settings.repeats))
+    rows = summarise(runs)
+    speedup = rows["64"]["speedup"] if "64" in rows else None
+    data = {
+        "machine": machine_info(),
+        "settings": asdict(settings),
+        "model": model,
+        "rows": rows,
+        "target": {"speedup_at_64": speedup, "needed": TARGET_SPEEDUP_AT_64,
+                   "met": speedup is not None and speedup >= TARGET_SPEEDUP_AT_64},
+        "runs": runs,
+    }
+    body = render(settings, model, rows, data["target"])
+    md_path, json_path = write_results("local", "Local MiniLM through the full service", body, data, results_dir)
+    print(md_path.read_text(encoding="utf-8"))
+    print(f"wrote {md_path} and {json_path}")
+    return data
+
+
+def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for concurrency in runs["batched"]:
+        cells = {label: {key: median_of(runs[label][concurrency], key)
+                         for key in ("items_per_s", "p50_ms", "p99_ms", "mean_batch_size")}
+                 for label in runs}
+        errors = sum(r["errors"] for label in runs for r in runs[label][concurrency])
+        batched, unbatched = cells["batched"]["items_per_s"], cells["unbatched"]["items_per_s"]
+        rows[str(concurrency)] = {**cells, "errors": errors,
+                                  "speedup": batched / unbatched if batched and unbatched else None}
+    return rows
+
+
+def render(settings: Settings, model: dict[str, Any], rows: dict[str, dict[str, Any]], target: dict[str, Any]) -> str:
+    def fmt(value: float | None, digits: int = 1) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    table = markdown_table(
+        ["concurrency", "batched texts/s", "P50 ms", "P99 ms", "mean batch", "unbatched texts/s", "P50 ms", "P99 ms",
+         "batched / unbatched", "errors"],
+        [[c, fmt(r["batched"]["items_per_s"]), fmt(r["batched"]["p50_ms"]), fmt(r["batched"]["p99_ms"]),
+          fmt(r["batched"]["mean_batch_size"]), fmt(r["unbatched"]["items_per_s"]), fmt(r["unbatched"]["p50_ms"]),
+          fmt(r["unbatched"]["p99_ms"]), fmt(r["speedup"], 2) + "×" if r["speedup"] else "—", r["errors"]]
+         for c, r in rows.items()],
+    )
+    verdict = "met" if target["met"] else "**not met**"
+    return f"""\
+Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per level: \
+{", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} interleaved repeat(s), medians.
+Model `{model['name']}` (backend `{model['backend']}`), one replica each; batched settings: `{model.get('batching')}`.
+
+{table}
+
+Target: at concurrency 64, batched ≥ {TARGET_SPEEDUP_AT_64:g}× unbatched texts/s: {verdict} \
+({fmt(target['speedup_at_64'], 2)}×).
+"""

@@ -1,0 +1,130 @@
+"""What the full-service benchmarks share: a Ray cluster with Serve on a free loopback port, variants of the
+application from ``serve_config.yaml`` deployed side by side under route prefixes, and closed-loop runs of
+single-text HTTP requests against each, interleaved."""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import yaml
+
+from load.loadgen import check, closed_loop
+from load.upstream_client import UpstreamClient
+
+from .harness import rotated
+from .upstream_process import free_port
+
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+
+
+def default_models() -> list[dict[str, Any]]:
+    """The model entries of ``serve_config.yaml``'s application, as its builder receives them."""
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    (application,) = config["applications"]
+    return copy.deepcopy(application["args"]["models"])
+
+
+def one_replica(model: Mapping[str, Any], **batching: Any) -> dict[str, Any]:
+    """``model`` held at one replica (so variants compare on equal hardware) that reserves no CPU (so variants fit
+    beside each other on a small cluster), with batching settings changed."""
+    entry = {key: value for key, value in model.items() if key != "autoscaling"}
+    entry["num_replicas"] = 1
+    entry["ray_actor_options"] = {"num_cpus": 0}
+    entry["batching"] = {**model.get("batching", {}), **batching}
+    return entry
+
+
+UNBATCHED = {"max_batch_size": 1, "max_wait_ms": 0.0, "max_batch_tokens": None}
+
+
+@contextmanager
+def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
+    """A fresh local Ray cluster with Serve's HTTP proxy on a free loopback port; yields the proxy's URL."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextmanager
+def deployed(proxy_url: str, apps: Mapping[str, Any], model: str) -> Iterator[list[Target]]:
+    """Run each app under the route prefix ``/<label>``; delete them on exit."""
+    from ray import serve
+
+    try:
+        for label, app in apps.items():
+            serve.run(app, name=label, route_prefix=f"/{label}")
+        yield [Target(label, f"{proxy_url}/{label}", serve.get_deployment_handle(f"embed-{model}", app_name=label))
+               for label in apps]
+    finally:
+        for label in apps:
+            serve.delete(label)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One deployed variant of the service: its URL prefix and a handle to its model deployment (for batch stats)."""
+
+    label: str
+    url: str
+    model_handle: Any
+
+
+async def compare_over_http(
+    targets: Sequence[Target], model: str, texts: Sequence[str], levels: Sequence[tuple[int, int]], repeats: int,
+    check_dim: int | None = None,
+) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Closed-loop runs of single-text requests at each (concurrency, request count), every target side by side:
+    per repeat and level the targets run one after another in a rotating order. Returns label -> concurrency ->
+    one summary per repeat, with the mean batch size the model deployment formed during the run."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {t.label: {c: [] for c, _ in levels} for t in targets}
+    clients = {t.label: UpstreamClient(t.url, model=model) for t in targets}
+    for client in clients.values():
+        await client.__aenter__()
+    try:
+        for repeat in range(repeats):
+            for concurrency, count in levels:
+                for target in rotated(list(targets), repeat + concurrency):
+                    client = clients[target.label]
+
+                    async def embed_one(text: str, client: UpstreamClient = client) -> Any:
+                        return (await client.embed([text]))[0]
+
+                    before = await _batch_totals(target.model_handle)
+                    result = await closed_loop(embed_one, texts[:count], concurrency)
+                    after = await _batch_totals(target.model_handle)
+                    if check_dim is not None:
+                        check(result, texts[:count], check_dim)
+                    batches, items = after[0] - before[0], after[1] - before[1]
+                    runs[target.label][concurrency].append(
+                        {**result.summary(), "mean_batch_size": items / batches if batches else None}
+                    )
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
+    return runs
+
+
+async def _batch_totals(handle: Any) -> tuple[int, int]:
+    stats = await handle.stats.remote()
+    return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
+
+
+def median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [record[key] for record in records if record.get(key) is not None]
+    return statistics.median(values) if values else None

@@ -1,0 +1,32 @@
+"""Smoke runs of the full-service benchmarks on a tiny workload: every variant answers every request correctly.
+No timing is asserted; the figures come from `python -m load.bench e2e|local`."""
+
+from __future__ import annotations
+
+import pytest
+
+from load.bench import e2e, local
+from load.upstream import UpstreamConfig
+from load.bench.upstream_process import upstream_process
+
+pytestmark = pytest.mark.integration
+
+
+def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(serve_instance, tmp_path):
+    upstream = UpstreamConfig(base_latency_ms=1, per_token_ms=0, jitter=0)
+    with upstream_process(upstream) as root_url:
+        data = e2e.measure(serve_instance.url, root_url, upstream, e2e.QUICK, tmp_path)
+    assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e.json").exists()
+    for row in data["rows"].values():
+        assert set(row) == {"adaptive", "serve-batch", "unbatched"}
+        for cell in row.values():
+            assert cell["errors"] == 0 and cell["mismatches"] == 0 and cell["items_per_s"] > 0
+
+
+def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
+    data = local.measure(serve_instance.url, local.QUICK, tmp_path)
+    assert (tmp_path / "local.md").exists()
+    for row in data["rows"].values():
+        assert row["errors"] == 0
+        assert row["batched"]["items_per_s"] > 0 and row["unbatched"]["items_per_s"] > 0
+    assert data["rows"]["1"]["unbatched"]["mean_batch_size"] == 1.0
