@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 # A timer may run a hair before its time (asyncio runs handles due within the clock's resolution).
 _EPS = 1e-6
-# The stall trigger's window, stall_factor x the mean gap between arrivals, is kept within these bounds (s).
+# The stall trigger's window is stall_factor x the mean gap between arrivals that join a non-empty queue (the pace
+# at which a batch fills; the idle time before a batch's first item would stretch it), and at least this long (s).
 _STALL_MIN_S = 0.0005
 _GAP_EWMA = 1 / 16
 _LATENCY_EWMA = 1 / 8
@@ -65,7 +66,7 @@ class AdaptiveBatcher(Generic[P, R]):
         self._drain = True
         self._settled: asyncio.Event | None = None
         self._last_arrival = -math.inf
-        self._mean_gap = 0.0
+        self._mean_gap: float | None = None
         self._mean_latency = 0.0
         self._items = self._dispatched = self._batches = 0
         self._rejected = self._expired = self._cancelled = self._retried = self._splits = 0
@@ -199,11 +200,11 @@ class AdaptiveBatcher(Generic[P, R]):
         item = Item(payload, loop.create_future(), priority, now, cost, deadline)
         if deadline is not None:
             item.add_timer(loop.call_at(deadline, self._on_deadline, item))
+        if self._config.stall_factor is not None and len(self._queue):
+            gap = min(now - self._last_arrival, self._config.max_wait_ms / 1000.0)
+            self._mean_gap = gap if self._mean_gap is None else self._mean_gap + (gap - self._mean_gap) * _GAP_EWMA
         self._queue.push(item)
         self._items += 1
-        if self._config.stall_factor is not None:
-            gap = min(now - self._last_arrival, self._config.max_wait_ms / 1000.0)
-            self._mean_gap += (gap - self._mean_gap) * _GAP_EWMA
         self._last_arrival = now
         if self._metrics is not None:
             self._metrics.queue_depth(self.name, priority, self._queue.depth(priority))
@@ -240,7 +241,7 @@ class AdaptiveBatcher(Generic[P, R]):
         if config.max_batch_cost is not None and queue.cost > config.max_batch_cost:
             return "cost", now
         reason, wake_at = "time", queue.oldest().enqueued_at + self._wait_policy.wait_s(depth)
-        if config.stall_factor is not None:
+        if config.stall_factor is not None and self._mean_gap is not None and depth > 1:
             stall_at = self._last_arrival + max(_STALL_MIN_S, config.stall_factor * self._mean_gap)
             if stall_at < wake_at:
                 reason, wake_at = "stall", stall_at

@@ -151,3 +151,29 @@ async def test_reconfigure_applies_to_queued_items():
     assert process.calls == [[0, 1, 2]]
     with pytest.raises(ValueError):
         batcher.reconfigure(max_batch_size=0)
+
+
+async def test_stall_window_learns_from_arrivals_that_join_a_queue_not_from_idle_time():
+    process = FakeProcess()
+    config = BatcherConfig(max_batch_size=100, max_wait_ms=25, scale_factor=10, stall_factor=4)
+    batcher = AdaptiveBatcher(process, config)
+    for burst in range(3):  # bursts of 20 arrivals 0.1 ms apart, separated by a second of idle time
+        burst_start = now()
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.ensure_future(batcher.submit((burst, i))))
+            await asyncio.sleep(0.0001)
+        await asyncio.gather(*tasks)
+        last_arrival = burst_start + 19 * 0.0001
+        assert process.started_at[-1] - last_arrival == pytest.approx(0.0005, abs=5e-6)  # 4 x 0.1 ms, floored
+        await asyncio.sleep(1.0)
+    assert batcher.stats().flushes == {"stall": 3}
+
+
+async def test_stall_trigger_never_cuts_a_lone_items_wait():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10, stall_factor=1))
+    await asyncio.gather(batcher.submit("a"), batcher.submit("b"))  # teaches a near-zero gap
+    start = now()
+    await batcher.submit("lone")
+    assert process.started_at[-1] - start == pytest.approx(WAIT.wait_s(1), abs=2e-6)
