@@ -32,7 +32,7 @@ class BatcherConfig:
     max_retries: int = 1
     dedupe: bool = True
     low_aging_s: float = 1.0
-    stall_factor: float | None = None
+    stall_factor: float | None = 4.0  # the load sweep in load/ chose it (README: "Choosing the default")
 
     def __post_init__(self) -> None:
         problems = [

@@ -18,6 +18,10 @@ from .ingress import EmbeddingsIngress
 
 logger = logging.getLogger("ray.serve")
 
+# Serve notices a dead replica at its next health check (default every 10 s) and only then starts a replacement;
+# meanwhile the survivors carry the load. A model's health check is a no-op call, so check often.
+MODEL_HEALTH_CHECK_PERIOD_S = 2.0
+
 
 def build_app(args: Mapping[str, Any]) -> Application:
     config = parse_app_config(args)
@@ -35,6 +39,9 @@ def model_deployment_options(model: ModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": model.deployment_name,
         "max_ongoing_requests": model.effective_max_ongoing_requests,
+        "max_queued_requests": model.effective_max_queued_requests,
+        "health_check_period_s": MODEL_HEALTH_CHECK_PERIOD_S,
+        "max_surge_percent": model.effective_max_surge_percent,
         "ray_actor_options": model.effective_ray_actor_options,
     }
     if model.autoscaling is not None:
@@ -57,12 +64,15 @@ def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
         "name": "EmbeddingsIngress",
         "max_ongoing_requests": max(config.ingress.max_ongoing_requests, model_capacity),
         "num_replicas": config.ingress.num_replicas,
+        "max_surge_percent": 100,  # it reserves no CPU: the new ingress starts before the old one stops
         "ray_actor_options": config.ingress.effective_ray_actor_options,
     }
 
 
 def bind_ingress(config: AppConfig, models: Mapping[str, Application]) -> Application:
-    return EmbeddingsIngress.options(**ingress_deployment_options(config)).bind(dict(models))
+    return EmbeddingsIngress.options(**ingress_deployment_options(config)).bind(
+        dict(models), max_body_bytes=config.ingress.max_body_bytes
+    )
 
 
 def _max_replicas(model: ModelConfig) -> int:

@@ -1,4 +1,8 @@
-"""Bearer-key auth: when ``EMBEDDINGS_API_KEYS`` (comma-separated) is set, every ``/v1`` route needs one of them."""
+"""Bearer-key auth: when ``EMBEDDINGS_API_KEYS`` (comma-separated) is set, every ``/v1`` route needs one of them.
+
+The keys may instead be in a file that ``EMBEDDINGS_API_KEYS_FILE`` names (comma- or newline-separated), which
+keeps them out of Ray's runtime_env logs (see ``deployments.secrets``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 from typing import Mapping
 
 from .errors import AuthenticationFailed
+from .secrets import read_secret
 
 API_KEYS_ENV = "EMBEDDINGS_API_KEYS"
 
@@ -17,7 +22,8 @@ class ApiKeys:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ApiKeys":
-        return cls([key.strip() for key in environ.get(API_KEYS_ENV, "").split(",") if key.strip()])
+        listed = read_secret(API_KEYS_ENV, environ).replace("\n", ",")
+        return cls([key.strip() for key in listed.split(",") if key.strip()])
 
     @property
     def required(self) -> bool:

@@ -25,13 +25,21 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "openai")
 MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
+# The largest request body the ingress reads. OpenAI caps a request at 300,000 tokens; as JSON that is at most
+# ~7 bytes per token id, or a few bytes per token of text (up to 6 per character when \u-escaped): 16 MiB holds any
+# request OpenAI would take, with room to spare, and bounds what one request can make a replica buffer.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Environment variables that hold secrets. Ray writes a replica's runtime_env (env_vars included) to
+# runtime_env_agent.log, so a secret must reach the replica another way (see deployments/secrets.py).
+SECRET_ENV_VARS = frozenset({"EMBEDDINGS_API_KEYS"})
 
 _MODEL_KEYS = frozenset({
     "name", "backend", "model_path", "base_url", "api_key_env", "upstream_model", "upstream_timeout_s",
-    "batching", "autoscaling", "num_replicas", "max_ongoing_requests", "ray_actor_options",
+    "batching", "autoscaling", "num_replicas", "max_ongoing_requests", "max_queued_requests", "max_input_tokens",
+    "max_surge_percent", "ray_actor_options",
 })
 _BATCHING_KEYS = BatcherConfig.field_names() | {"max_batch_tokens"}
-_INGRESS_KEYS = frozenset({"max_ongoing_requests", "num_replicas", "env_vars", "ray_actor_options"})
+_INGRESS_KEYS = frozenset({"max_ongoing_requests", "num_replicas", "env_vars", "ray_actor_options", "max_body_bytes"})
 _APP_KEYS = frozenset({"models", "ingress"})
 
 
@@ -52,6 +60,9 @@ class ModelConfig:
     autoscaling: Mapping[str, Any] | None = None
     num_replicas: int | None = None
     max_ongoing_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_input_tokens: int | None = None
+    max_surge_percent: int | None = None
     ray_actor_options: Mapping[str, Any] | None = None
 
     @property
@@ -65,12 +76,32 @@ class ModelConfig:
 
     @property
     def effective_max_ongoing_requests(self) -> int:
-        """The user's value, raised to ``min_ongoing_requests`` if lower; by default twice that floor
-        (one set of batches running while the next set fills)."""
+        """The user's value, raised to ``min_ongoing_requests`` if lower. By default enough for a full queue of
+        single-input requests plus the batches in flight (``max_queue_depth + min_ongoing_requests``), and at
+        least twice the floor: every request reaches the batcher, whose admission refuses LOW first and answers
+        429 when the queue is full, instead of waiting unseen (and unbounded) in the callers' handle queues."""
         floor = self.min_ongoing_requests
         if self.max_ongoing_requests is None:
-            return 2 * floor
+            return max(2 * floor, self.batcher.max_queue_depth + floor)
         return max(floor, self.max_ongoing_requests)
+
+    @property
+    def effective_max_queued_requests(self) -> int:
+        """Requests a caller (the ingress) may hold for this deployment while no replica can take them (e.g.
+        while a lost replica is replaced); beyond it they are refused (429) rather than queued without bound.
+        By default one replica's worth."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return self.effective_max_ongoing_requests
+
+    @property
+    def effective_max_surge_percent(self) -> int:
+        """Extra replicas Serve may start during a redeploy, so the old ones serve until the new ones are ready
+        (Serve's default, 0, stops the old replicas first: nothing serves while the new ones start). By default
+        100% for a replica that reserves no CPU; 0 for one that does, whose extra replica might find no free core."""
+        if self.max_surge_percent is not None:
+            return self.max_surge_percent
+        return 100 if not self.effective_ray_actor_options.get("num_cpus") else 0
 
     @property
     def effective_ray_actor_options(self) -> dict[str, Any]:
@@ -84,6 +115,7 @@ class ModelConfig:
 class IngressConfig:
     max_ongoing_requests: int = 1024
     num_replicas: int = 1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     env_vars: Mapping[str, str] = field(default_factory=dict)
     ray_actor_options: Mapping[str, Any] | None = None
 
@@ -166,11 +198,25 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
     elif num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
         problems.append(f"{where}.num_replicas: must be an integer >= 1")
     max_ongoing = entry.get("max_ongoing_requests")
-    if max_ongoing is not None and (not isinstance(max_ongoing, int) or max_ongoing < 1):
+    if max_ongoing is not None and (not _is_int(max_ongoing) or max_ongoing < 1):
         problems.append(f"{where}.max_ongoing_requests: must be an integer >= 1")
+    max_queued = entry.get("max_queued_requests")
+    if max_queued is not None and (not _is_int(max_queued) or max_queued < 1):
+        problems.append(f"{where}.max_queued_requests: must be an integer >= 1")
+    max_input_tokens = entry.get("max_input_tokens")
+    if max_input_tokens is not None and (not _is_int(max_input_tokens) or max_input_tokens < 1):
+        problems.append(f"{where}.max_input_tokens: must be an integer >= 1")
+    max_surge = entry.get("max_surge_percent")
+    if max_surge is not None and (not _is_int(max_surge) or not 0 <= max_surge <= 100):
+        problems.append(f"{where}.max_surge_percent: must be an integer from 0 to 100")
     actor_options = entry.get("ray_actor_options")
     if actor_options is not None and not isinstance(actor_options, Mapping):
         problems.append(f"{where}.ray_actor_options: must be a mapping")
+    elif actor_options is not None:
+        secrets = set(SECRET_ENV_VARS)
+        if isinstance(entry.get("api_key_env"), str):
+            secrets.add(entry["api_key_env"])
+        _warn_about_secrets_in_runtime_env(actor_options.get("runtime_env"), secrets, f"{where}.ray_actor_options")
     if len(problems) > before or batcher is None:
         return None
     return ModelConfig(
@@ -185,8 +231,26 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         autoscaling=dict(autoscaling) if autoscaling is not None else None,
         num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing,
+        max_queued_requests=max_queued,
+        max_input_tokens=max_input_tokens,
+        max_surge_percent=max_surge,
         ray_actor_options=dict(actor_options) if actor_options is not None else None,
     )
+
+
+def _warn_about_secrets_in_runtime_env(runtime_env: Any, secrets: set[str], where: str) -> None:
+    env_vars = runtime_env.get("env_vars") if isinstance(runtime_env, Mapping) else None
+    if isinstance(env_vars, Mapping):
+        _warn_about_secrets(env_vars, secrets, f"{where}.runtime_env.env_vars")
+
+
+def _warn_about_secrets(env_vars: Mapping[str, Any], secrets: set[str], where: str) -> None:
+    for name in sorted(secrets & set(env_vars)):
+        logger.warning(
+            "%s: %s holds a secret, and Ray writes every runtime_env (env_vars included) to runtime_env_agent.log; "
+            "set %s_FILE to a file holding it instead, or set %s in the environment that starts Ray",
+            where, name, name, name,
+        )
 
 
 def _parse_batching(section: Any, where: str, problems: list[str]) -> BatcherConfig | None:
@@ -246,9 +310,18 @@ def _parse_ingress(section: Any, problems: list[str]) -> IngressConfig:
     if actor_options is not None and not isinstance(actor_options, Mapping):
         problems.append("ingress.ray_actor_options: must be a mapping")
         actor_options = None
+    max_body_bytes = section.get("max_body_bytes", defaults.max_body_bytes)
+    if not _is_int(max_body_bytes) or max_body_bytes < 1024:
+        problems.append("ingress.max_body_bytes: must be an integer >= 1024")
+        max_body_bytes = defaults.max_body_bytes
+    _warn_about_secrets(env_vars, set(SECRET_ENV_VARS), "ingress.env_vars")
+    if actor_options is not None:
+        _warn_about_secrets_in_runtime_env(actor_options.get("runtime_env"), set(SECRET_ENV_VARS),
+                                           "ingress.ray_actor_options")
     return IngressConfig(
         max_ongoing_requests=max_ongoing if isinstance(max_ongoing, int) else defaults.max_ongoing_requests,
         num_replicas=num_replicas if isinstance(num_replicas, int) else defaults.num_replicas,
+        max_body_bytes=max_body_bytes,
         env_vars=dict(env_vars),
         ray_actor_options=dict(actor_options) if actor_options is not None else None,
     )
@@ -258,6 +331,10 @@ def _unknown_keys(section: Mapping[str, Any], allowed: frozenset[str], where: st
     unknown = sorted(str(key) for key in section if key not in allowed)
     if unknown:
         problems.append(f"{where}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

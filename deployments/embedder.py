@@ -21,7 +21,7 @@ from .autoscaling import QUEUE_DEPTH_METRIC
 from .backends import EmbeddingBackend, Item, ItemRejected, UpstreamError, make_backend
 from .config import ModelConfig
 from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
-                     UpstreamFailed)
+                     UpstreamFailed, UpstreamRateLimited)
 from .metrics import RayServeMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -65,10 +65,13 @@ class EmbeddingModel:
             raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
         if not texts:
             raise InvalidRequest("there is nothing to embed", param="input")
+        started = asyncio.get_running_loop().time()
         batcher = self._batcher(self._output_size(dimensions))
-        counts = await self._backend.count_tokens_many(texts)
+        counts = self._within_token_limit(await self._backend.count_tokens_many(texts))
         self._raise_first_failure(counts)
         payloads = [Payload(_hashable(item), count) for item, count in zip(texts, counts)]
+        if timeout_s is not None:  # counting tokens took part of it
+            timeout_s = max(1e-3, timeout_s - (asyncio.get_running_loop().time() - started))
         try:
             outcomes = await batcher.submit_many(payloads, priority=level, timeout_s=timeout_s, return_exceptions=True)
         except Overloaded as exc:
@@ -84,6 +87,11 @@ class EmbeddingModel:
     async def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""
         return {batcher.name: batcher.stats() for batcher in self._batchers.values()}
+
+    async def backend_stats(self) -> dict[str, int]:
+        """The backend's own counters (the ``openai`` backend: calls it gave up on, which may still be billed)."""
+        stats = getattr(self._backend, "stats", None)
+        return dict(stats()) if callable(stats) else {}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every few seconds and handed to the autoscaling policy."""
@@ -129,6 +137,17 @@ class EmbeddingModel:
             )
         return dimensions
 
+    def _within_token_limit(self, counts: Sequence[int | BaseException]) -> list[int | BaseException]:
+        """An input longer than ``max_input_tokens`` fails alone, before it costs an upstream call."""
+        limit = self._model.max_input_tokens
+        if limit is None:
+            return list(counts)
+        return [
+            ItemRejected(f"the input holds {count} tokens; this model takes at most {limit}")
+            if not isinstance(count, BaseException) and count > limit else count
+            for count in counts
+        ]
+
     def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Payload, np.ndarray]:
         if self._closing:
             raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
@@ -169,6 +188,9 @@ def _service_error(error: BaseException, index: int, more: str, model: str) -> S
         return RequestTimedOut(f"{where}: the request timed out before it was embedded{more}", index=index)
     if isinstance(error, BatcherClosed):
         return ServiceUnavailable(f"model {model!r} is shutting down; retry{more}", index=index)
+    if isinstance(error, UpstreamError) and error.status == 429:
+        return UpstreamRateLimited(f"{where}: the upstream is rate-limiting this service: {error}{more}", index=index,
+                                   retry_after_s=error.retry_after_s or 1.0)
     if isinstance(error, (UpstreamError, ConnectionError, TimeoutError)):
         return UpstreamFailed(f"{where}: the upstream model failed: {error}{more}", index=index)
     logger.error("model %r failed on %s", model, where, exc_info=error)

@@ -53,6 +53,10 @@ class InvalidRequest(ServiceError):
     status, type = 400, "invalid_request_error"
 
 
+class PayloadTooLarge(ServiceError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
 class AuthenticationFailed(ServiceError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
@@ -88,6 +92,22 @@ class ModelOverloaded(ServiceError, Overloaded):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
+class UpstreamRateLimited(ServiceError):
+    """The upstream kept answering 429 until the input's retries ran out: the caller should slow down too."""
+
+    status, type, code = 429, "rate_limit_error", "upstream_rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float, **fields: Any) -> None:
+        ServiceError.__init__(self, message, **fields)
+        self.retry_after_s = retry_after_s
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "retry_after_s": self.retry_after_s}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
 class RequestTimedOut(ServiceError, DeadlineExceeded):
     """The caller's deadline passed; also a ``DeadlineExceeded``."""
 
@@ -100,6 +120,9 @@ class UpstreamFailed(ServiceError):
 
 class ServiceUnavailable(ServiceError):
     status, type, code = 503, "server_error", "unavailable"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
 
 
 def unwrap(exc: BaseException) -> BaseException:

@@ -21,14 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import schemas
 from .auth import ApiKeys
-from .errors import (InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded, RequestTimedOut,
-                     RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
+from .config import DEFAULT_MAX_BODY_BYTES
+from .errors import (InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded, PayloadTooLarge,
+                     RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
 
 logger = logging.getLogger("ray.serve")
 
 OWNED_BY = "adaptive-embeddings"
 # How long past the caller's deadline the ingress waits for the model's own DeadlineExceeded before giving up.
-_DEADLINE_GRACE_S = 0.5
+_DEADLINE_GRACE_S = 0.25
 
 app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -73,22 +74,28 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 @serve.deployment
 @serve.ingress(app)
 class EmbeddingsIngress:
-    def __init__(self, models: Mapping[str, DeploymentHandle]) -> None:
+    def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self._models = dict(models)
         self._api_keys = ApiKeys.from_env()
+        self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(self._models), "required" if self._api_keys.required else "not required")
 
     @app.post("/v1/embeddings")
     async def create_embeddings(self, request: Request) -> Response:
+        arrived = time.monotonic()  # the deadline counts from here, not from when the model gets the request
         self._api_keys.check(request.headers.get("authorization"))
-        body = schemas.parse_request(await request.body())
+        body = schemas.parse_request(await self._read_body(request))
         handle = self._models.get(body.model)
         if handle is None:
             raise self._unknown_model(body.model, param="model")
         priority = schemas.parse_priority(request.headers.get("x-priority"))
         timeout_s = schemas.parse_timeout(request.headers.get("x-request-timeout"))
+        if timeout_s is not None:
+            timeout_s -= time.monotonic() - arrived
+            if timeout_s <= 0:
+                raise RequestTimedOut("the deadline passed while the request was read")
         vectors, token_counts = await self._embed(
             handle, body.inputs(), priority=priority.name.lower(), timeout_s=timeout_s, dimensions=body.dimensions
         )
@@ -113,6 +120,23 @@ class EmbeddingsIngress:
 
     # ---- internals ----------------------------------------------------------------------------------------
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with a 413 as soon as it is known to exceed ``max_body_bytes`` (from Content-Length
+        before reading, or while reading a body sent without one)."""
+        limit = self._max_body_bytes
+        too_large = PayloadTooLarge(f"the request body exceeds the {limit}-byte limit; send fewer or shorter inputs")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _embed(self, handle: DeploymentHandle, inputs: schemas.Inputs, **options: Any) -> tuple[Any, list[int]]:
         timeout_s = options["timeout_s"]
         response = handle.embed.remote(inputs, **options)
@@ -128,7 +152,7 @@ class EmbeddingsIngress:
                 raise cause from None
             if isinstance(exc, TimeoutError):
                 response.cancel()
-                raise RequestTimedOut(f"no result within the {timeout_s}s the request allowed") from None
+                raise RequestTimedOut("no result within the time the request allowed") from None
             if isinstance(cause, BackPressureError):
                 raise ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=1.0) from None
             logger.error("embedding call failed", exc_info=exc)

@@ -5,25 +5,30 @@ The batcher retries per item, so this backend only classifies what went wrong:
 - a 429 fails every item in place as retryable, with the upstream's ``retry-after-ms`` / ``Retry-After`` delay;
 - a 5xx, timeout or connection error fails every item in place as retryable;
 - anything else (401, 403, 404, a malformed response) fails every item in place for good.
+The upstream key never appears in an error: a 401/403 is reported without the upstream's message (OpenAI's echoes
+part of the key), and the key is masked in every other message.
 Token ids are passed on as they are; token counts come from the upstream model's encoding (cl100k_base or o200k_base).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import email.utils
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import openai
 
 from .. import tokens
+from ..secrets import read_secret
 from .base import EmbeddingBackend, Item, ItemRejected, UpstreamError
 
 DEFAULT_RETRY_AFTER_S = 1.0  # a 429 that does not say how long to wait
 _REJECTING_STATUSES = frozenset({400, 413, 422})
+_CREDENTIAL_STATUSES = frozenset({401, 403})
 
 
 class OpenAIBackend(EmbeddingBackend):
@@ -35,7 +40,8 @@ class OpenAIBackend(EmbeddingBackend):
         api_key_env: str | None = None,
         timeout_s: float = 30.0,
     ) -> None:
-        api_key = os.environ.get(api_key_env, "") if api_key_env else ""
+        api_key = read_secret(api_key_env, os.environ) if api_key_env else ""
+        self._api_key = api_key
         self._client = openai.AsyncOpenAI(
             base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s
         )
@@ -43,6 +49,10 @@ class OpenAIBackend(EmbeddingBackend):
         self._encoding = tokens.encoding_name_for_model(upstream_model)
         tokens.get_encoding(self._encoding)  # load the table now, not on the first request
         self._dimension: int | None = None
+        # Calls the service gave up on (timed out, cancelled, connection lost) once sent, or maybe sent: the upstream
+        # may still have embedded, and billed, their items. Items retried after that may be billed twice.
+        self.abandoned_calls = 0
+        self.abandoned_items = 0
 
     @property
     def dimension(self) -> int | None:
@@ -54,6 +64,12 @@ class OpenAIBackend(EmbeddingBackend):
     def count_tokens(self, item: Item) -> int:
         if isinstance(item, str):
             return tokens.count(item, self._encoding)
+        # Ids outside the vocabulary are the caller's error: refuse them here, alone, rather than send them and
+        # have the upstream fail (or crash on) the whole call, and with it every other input of the batch.
+        largest = tokens.get_encoding(self._encoding).max_token_value
+        for position, token in enumerate(item):
+            if not 0 <= token <= largest:
+                raise ItemRejected(f"token {position} ({token}) is not a {self._encoding} token id")
         return len(item)
 
     async def embed(self, items: Sequence[Item], dimensions: int | None = None) -> Sequence[np.ndarray | BaseException]:
@@ -68,11 +84,25 @@ class OpenAIBackend(EmbeddingBackend):
             response = await self._client.embeddings.create(**request)
         except openai.APIStatusError as exc:
             if exc.status_code in _REJECTING_STATUSES:
-                raise ItemRejected(f"the upstream refused the input: {_upstream_message(exc)}") from None
-            return [_status_error(exc) for _ in items]
+                raise ItemRejected(f"the upstream refused the input: {self._mask(_upstream_message(exc))}") from None
+            return [_status_error(exc, self._mask) for _ in items]
         except openai.APIConnectionError as exc:  # includes APITimeoutError
-            return [UpstreamError(f"upstream unreachable: {exc}", retryable=True) for _ in items]
+            self._abandoned(len(items))
+            return [UpstreamError(f"upstream unreachable: {self._mask(str(exc))}", retryable=True) for _ in items]
+        except asyncio.CancelledError:  # the batch timed out, or every caller gave up
+            self._abandoned(len(items))
+            raise
         return self._vectors(response, len(items))
+
+    def _abandoned(self, items: int) -> None:
+        self.abandoned_calls += 1
+        self.abandoned_items += items
+
+    def _mask(self, message: str) -> str:
+        return message.replace(self._api_key, "***") if self._api_key else message
+
+    def stats(self) -> dict[str, int]:
+        return {"abandoned_calls": self.abandoned_calls, "abandoned_items": self.abandoned_items}
 
     def _vectors(self, response: Any, expected: int) -> list[np.ndarray | BaseException]:
         data = sorted(response.data, key=lambda entry: entry.index)
@@ -94,9 +124,11 @@ def _decode_vector(embedding: str | Sequence[float]) -> np.ndarray:
     return np.asarray(embedding, dtype=np.float32)
 
 
-def _status_error(exc: openai.APIStatusError) -> UpstreamError:
+def _status_error(exc: openai.APIStatusError, mask: Callable[[str], str]) -> UpstreamError:
     status = exc.status_code
-    message = f"upstream answered {status}: {_upstream_message(exc)}"
+    if status in _CREDENTIAL_STATUSES:  # OpenAI's message quotes part of the key: say what happened, not that
+        return UpstreamError(f"upstream answered {status}: it refused the service's upstream API key", status=status)
+    message = f"upstream answered {status}: {mask(_upstream_message(exc))}"
     if status == 429:
         delay = retry_after_s(exc.response.headers) or DEFAULT_RETRY_AFTER_S
         return UpstreamError(message, status=status, retryable=True, retry_after_s=delay)

@@ -14,6 +14,11 @@ from .report import RESULTS_DIR
 # first line is the subcommand's help. Adding a scenario is one line here.
 SCENARIOS: dict[str, str] = {
     "overhead": "load.bench.overhead",
+    "seed-table": "load.bench.seed_table",
+    "sweep": "load.bench.sweep",
+    "priority": "load.bench.priority",
+    "e2e": "load.bench.e2e",
+    "local": "load.bench.local",
 }
 
 

@@ -18,12 +18,12 @@ import asyncio
 import gc
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from batching import AdaptiveBatcher, BatcherConfig
 from load.article_batcher import ArticleBatcher
+from load.serve_batch import serve_batch_outside_replica, serve_batched
 
 from .report import machine_info, markdown_table, write_results
 
@@ -132,38 +132,14 @@ class SleepyProcess(NoopProcess):
         return payloads
 
 
-@contextmanager
-def serve_batch_outside_replica() -> Iterator[None]:
-    """Let ``@serve.batch`` run outside a Serve replica.
-
-    The only thing in ``ray/serve/batching.py`` that needs a replica is the warning that reads
-    ``serve.get_replica_context()._deployment_config.max_ongoing_requests`` when the batch queue is created
-    (``_BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests``); that method, and nothing else, is stubbed.
-    """
-    from unittest import mock
-
-    from ray.serve import batching as serve_batching
-
-    with mock.patch.object(
-        serve_batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", new=lambda self: None
-    ):
-        yield
-
-
 def serve_batch_submit(settings: Settings, process: NoopProcess) -> Submit:
     """A plain object with a ``@serve.batch`` method, decorated afresh so its queue belongs to this event loop."""
-    from ray import serve
-
-    class Model:
-        @serve.batch(
-            max_batch_size=settings.batch_size,
-            batch_wait_timeout_s=settings.max_wait_ms / 1000,
-            max_concurrent_batches=settings.concurrent_batches,
-        )
-        async def handle(self, payloads: list[Any]) -> list[Any]:
-            return await process(payloads)
-
-    return Model().handle
+    return serve_batched(
+        process,
+        max_batch_size=settings.batch_size,
+        batch_wait_timeout_s=settings.max_wait_ms / 1000,
+        max_concurrent_batches=settings.concurrent_batches,
+    )
 
 
 def our_batcher(settings: Settings, process: NoopProcess) -> AdaptiveBatcher:

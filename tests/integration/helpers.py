@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,3 +49,27 @@ def default_app_args() -> dict[str, Any]:
         model["autoscaling"] = {**model["autoscaling"], "min_replicas": 1, "max_replicas": 1}
     args["ingress"] = {"env_vars": {"EMBEDDINGS_API_KEYS": ",".join(API_KEYS)}}
     return args
+
+
+def start_ray_and_serve(num_cpus: int = 2) -> Service:
+    """A new local Ray instance on loopback with a Serve HTTP proxy on a free loopback port (one per session)."""
+    # The replicas inherit this environment through the raylet: never reach for a model hub.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return Service(f"http://127.0.0.1:{port}")
+
+
+def stop_ray_and_serve() -> None:
+    """Shut down the Serve instance and the Ray instance this process started (and nothing else)."""
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

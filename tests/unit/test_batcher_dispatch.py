@@ -11,6 +11,7 @@ from .fake_process import FakeProcess
 pytestmark = pytest.mark.looptime
 
 WAIT = DepthScaledWait(max_wait_ms=25, scale_factor=10)
+FORMULA_ONLY = {"stall_factor": None}  # these tests pin the depth-scaled formula itself
 
 
 def now() -> float:
@@ -28,7 +29,7 @@ async def test_lone_item_leaves_after_wait_of_depth_one_not_max_wait():
 
 async def test_wait_lengthens_as_depth_grows():
     process = FakeProcess()
-    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10, **FORMULA_ONLY))
     start = now()
     first = asyncio.ensure_future(batcher.submit("a"))
     await asyncio.sleep(0.001)  # before wait_s(1) = 2.27 ms passes, depth grows to 5
@@ -40,7 +41,7 @@ async def test_wait_lengthens_as_depth_grows():
 
 async def test_wait_shortens_when_queued_items_leave():
     process = FakeProcess()
-    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25, scale_factor=10, **FORMULA_ONLY))
     start = now()
     keep = asyncio.ensure_future(batcher.submit("keep"))
     leaving = [asyncio.ensure_future(batcher.submit(i)) for i in range(9)]

@@ -187,7 +187,7 @@ async def test_deadline_in_flight_returns_on_time_and_discards_the_late_result()
 
 async def test_a_cancelled_caller_is_never_sent():
     process = FakeProcess()
-    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=100, scale_factor=0.001))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=100, scale_factor=0.001, stall_factor=None))
     gone = asyncio.ensure_future(batcher.submit("gone"))
     stays = asyncio.ensure_future(batcher.submit("stays"))
     await asyncio.sleep(0.01)
@@ -199,7 +199,7 @@ async def test_a_cancelled_caller_is_never_sent():
 
 async def test_cancelling_submit_many_withdraws_its_queued_items():
     process = FakeProcess()
-    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=100, scale_factor=0.001))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=100, scale_factor=0.001, stall_factor=None))
     many = asyncio.ensure_future(batcher.submit_many([1, 2, 3]))
     await asyncio.sleep(0.01)
     many.cancel()

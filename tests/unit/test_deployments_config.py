@@ -84,9 +84,13 @@ def test_openai_entries_keep_their_backend_options() -> None:
     assert model_deployment_options(model)["ray_actor_options"] == {"num_cpus": 0}
 
 
-def test_max_ongoing_requests_lets_batches_fill() -> None:
+def test_max_ongoing_requests_lets_batches_fill_and_the_queue_fill_up() -> None:
     model = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_batch_size=64, max_concurrent_batches=2))
-    assert model_deployment_options(model)["max_ongoing_requests"] == 256
+    assert model_deployment_options(model)["max_ongoing_requests"] == 10_000 + 128  # a full queue + batches in flight
+    small_queue = ModelConfig(name="m", backend="local",
+                              batcher=BatcherConfig(max_batch_size=64, max_concurrent_batches=2, max_queue_depth=100))
+    assert model_deployment_options(small_queue)["max_ongoing_requests"] == 256  # still twice the floor
+    assert model_deployment_options(small_queue)["max_queued_requests"] == 256
 
 
 def test_a_too_low_max_ongoing_requests_is_raised_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -111,5 +115,5 @@ def test_the_ingress_admits_at_least_what_the_models_can_take() -> None:
         {"name": "a", "batching": {"max_batch_size": 512, "max_concurrent_batches": 2}, "num_replicas": 2},
     ], "ingress": {"max_ongoing_requests": 100, "env_vars": {"EMBEDDINGS_API_KEYS": "k"}}})
     options = ingress_deployment_options(config)
-    assert options["max_ongoing_requests"] == 2 * 2048
+    assert options["max_ongoing_requests"] == 2 * (10_000 + 1024)  # 2 replicas x (a full queue + batches in flight)
     assert options["ray_actor_options"] == {"num_cpus": 0, "runtime_env": {"env_vars": {"EMBEDDINGS_API_KEYS": "k"}}}

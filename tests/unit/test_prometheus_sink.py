@@ -13,7 +13,7 @@ pytestmark = pytest.mark.looptime
 
 async def test_prometheus_sink_records_the_standard_metrics():
     registry = CollectorRegistry()
-    config = BatcherConfig(max_batch_size=4, max_queue_depth=4, max_wait_ms=10)
+    config = BatcherConfig(max_batch_size=4, max_queue_depth=4, max_wait_ms=10, stall_factor=None)
     batcher = AdaptiveBatcher(FakeProcess(delay_s=0.01), config, metrics=PrometheusMetrics(registry), name="m")
     await asyncio.gather(*(batcher.submit(i) for i in range(6)))
     waiting = [asyncio.ensure_future(batcher.submit(i)) for i in range(10, 13)]
