@@ -178,12 +178,13 @@ class AdaptiveBatcher(Generic[P, R]):
         if count > config.max_queue_depth:
             raise ValueError(f"{count} items can never fit a queue of max_queue_depth={config.max_queue_depth}")
         limit = config.max_queue_depth if priority == Priority.HIGH else config.low_admission_limit
-        if len(self._queue) + count > limit:
+        waiting = len(self._queue) + len(self._delayed)  # items waiting out a Retry-After will queue again
+        if waiting + count > limit:
             self._rejected += count
             if self._metrics is not None:
                 for _ in range(count):
                     self._metrics.item_rejected(self.name, "overload")
-            raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} queue is full ({len(self._queue)} queued)")
+            raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} queue is full ({waiting} waiting)")
 
     def _retry_after_estimate(self) -> float:
         """Roughly how long until the queue has room again: its depth over the recent drain rate."""

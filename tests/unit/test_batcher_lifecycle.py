@@ -265,3 +265,15 @@ async def test_a_crashing_process_function_fails_its_items_and_the_batcher_keeps
     with pytest.raises(RuntimeError, match="process crashed"):
         await batcher.submit("a")
     assert await batcher.submit("b") == "b"
+
+
+async def test_items_waiting_out_a_retry_after_count_against_the_queue_limit():
+    answers = iter([RateLimited(retry_after_s=5.0)] * 3)
+    process = FakeProcess(answer=lambda p: next(answers, p))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_queue_depth=4, max_wait_ms=0, stall_factor=None))
+    delayed = asyncio.ensure_future(batcher.submit_many(["a", "b", "c"]))
+    await asyncio.sleep(0.1)
+    assert batcher.stats().delayed == 3 and batcher.stats().queue_depth == 0
+    with pytest.raises(Overloaded):
+        await batcher.submit_many(["d", "e"])
+    assert await delayed == ["a", "b", "c"]
