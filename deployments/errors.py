@@ -76,36 +76,30 @@ class MethodNotAllowed(ServiceError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
-class ModelOverloaded(ServiceError, Overloaded):
+class RetryLater(ServiceError):
+    """An error that tells the caller when to try again (``Retry-After``, whole seconds, at least 1)."""
+
+    def __init__(self, message: str, *, retry_after_s: float, **fields: Any) -> None:
+        ServiceError.__init__(self, message, **fields)
+        self.retry_after_s = retry_after_s
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "retry_after_s": self.retry_after_s}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class ModelOverloaded(RetryLater, Overloaded):
     """The model's queue is full; also an ``Overloaded``, so handle callers may catch either."""
 
     status, type, code = 429, "rate_limit_error", "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float, **fields: Any) -> None:
-        ServiceError.__init__(self, message, **fields)
-        self.retry_after_s = retry_after_s
 
-    def _fields(self) -> dict[str, Any]:
-        return {**super()._fields(), "retry_after_s": self.retry_after_s}
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
-
-
-class UpstreamRateLimited(ServiceError):
+class UpstreamRateLimited(RetryLater):
     """The upstream kept answering 429 until the input's retries ran out: the caller should slow down too."""
 
     status, type, code = 429, "rate_limit_error", "upstream_rate_limited"
-
-    def __init__(self, message: str, *, retry_after_s: float, **fields: Any) -> None:
-        ServiceError.__init__(self, message, **fields)
-        self.retry_after_s = retry_after_s
-
-    def _fields(self) -> dict[str, Any]:
-        return {**super()._fields(), "retry_after_s": self.retry_after_s}
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class RequestTimedOut(ServiceError, DeadlineExceeded):
