@@ -126,7 +126,7 @@ def unbatched() -> Strategy:
 
 
 def fixed(max_batch_size: int, wait_ms: float, concurrent: int = MAX_CONCURRENT_BATCHES) -> Strategy:
-    config = BatcherConfig(max_batch_size=max_batch_size, max_concurrent_batches=concurrent)
+    config = BatcherConfig(max_batch_size=max_batch_size, max_concurrent_batches=concurrent, stall_factor=None)
     return Strategy(
         f"fixed-{max_batch_size}/{wait_ms:g}ms",
         f"AdaptiveBatcher, FixedWait({wait_ms / 1000:g} s): {max_batch_size} items or {wait_ms:g} ms from the oldest",
@@ -163,7 +163,7 @@ def adaptive(
     """``AdaptiveBatcher`` with the benchmark's shared settings; ``config_changes`` override ``BatcherConfig``."""
     settings: dict[str, Any] = dict(
         max_batch_size=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, scale_factor=SCALE_FACTOR,
-        max_concurrent_batches=MAX_CONCURRENT_BATCHES,
+        max_concurrent_batches=MAX_CONCURRENT_BATCHES, stall_factor=None,  # the formula alone unless asked
     )
     settings.update(config_changes)
     config = BatcherConfig(**settings)
