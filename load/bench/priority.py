@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from batching import AdaptiveBatcher, Overloaded, Priority
+from batching import AdaptiveBatcher, BatcherConfig, Overloaded, Priority
 from load.loadgen import RunResult, censored_percentile, count_mismatches, open_loop
 from load.strategies import Batched, Strategy, adaptive
 from load.upstream import UpstreamConfig
@@ -65,7 +65,7 @@ class Settings:
     high_rate: float = 40.0
     high_seconds: float = 4.0
     repeats: int = 3
-    stall_factor: float | None = None
+    stall_factor: float | None = BatcherConfig().stall_factor  # the library's default
     low_aging_s: float = 1.0
     mean_chars: int = 120
     seed: int = 0
@@ -83,10 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-chunk", type=int, help=f"texts per submit_many (default {defaults.flood_chunk})")
     parser.add_argument("--high-rate", type=float, help=f"HIGH arrivals per second (default {defaults.high_rate:g})")
     parser.add_argument("--high-seconds", type=float, help=f"HIGH stream duration (default {defaults.high_seconds:g})")
-    parser.add_argument("--stall-factor", type=float, help="BatcherConfig.stall_factor (default: none)")
+    parser.add_argument("--stall-factor", type=_factor,
+                        help=f"BatcherConfig.stall_factor, or 'none' (default {defaults.stall_factor})")
     parser.add_argument("--low-aging-s", type=float,
                         help=f"BatcherConfig.low_aging_s (default {defaults.low_aging_s:g})")
     parser.add_argument("--seed", type=int, help=f"workload seed (default {defaults.seed})")
+
+
+def _factor(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -101,10 +106,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def batcher_strategy(settings: Settings, case: str = "flood-low") -> Strategy:
     aging = NO_AGING_S if case == "flood-low-no-aging" else settings.low_aging_s
-    changes: dict[str, Any] = {"low_aging_s": aging}
-    if settings.stall_factor is not None:
-        changes["stall_factor"] = settings.stall_factor
-    return adaptive("adaptive", **changes)
+    return adaptive("adaptive", low_aging_s=aging, stall_factor=settings.stall_factor)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def upstream_process(config: UpstreamConfig, startup_timeout_s: float = 60.0) ->
             [sys.executable, "-m", "load.upstream", "--host", "127.0.0.1", "--port", str(port), *flags],
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
         )
         root_url = f"http://127.0.0.1:{port}"
         try:
@@ -68,6 +69,15 @@ def upstream_process(config: UpstreamConfig, startup_timeout_s: float = 60.0) ->
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _stop_with_parent() -> None:
+    """In the child: get SIGTERM when the benchmark dies, even if it is killed before its cleanup runs (Linux)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_until_answering(process: subprocess.Popen, log: IO[bytes], root_url: str, timeout_s: float) -> None:
