@@ -110,6 +110,7 @@ def batcher_strategy(settings: Settings, case: str = "flood-low") -> Strategy:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
     settings = settings_from(args)
     upstream = upstream_config_from(args)
     strategy = batcher_strategy(settings)
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verdict["ratio_b_to_e"] = _ratio(table["flood-low"]["high_p99_ms"], table["flood-separate"]["high_p99_ms"])
     data = {
         "machine": machine_info(),
-        "code": code_version(),
+        "code": code,
         "settings": asdict(settings),
         "disturbance": asdict(disturbance),
         "upstream": asdict(upstream),

@@ -74,6 +74,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
     settings = settings_from(args)
     strategies = select(standard_strategies(), getattr(args, "strategies", None))
     upstream = upstream_config_from(args)
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plots = plot(settings, strategies, table, results_dir)
     data = {
         "machine": machine_info(),
-        "code": code_version(),
+        "code": code,
         "settings": asdict(settings),
         "disturbance": asdict(disturbance),
         "upstream": asdict(upstream),
