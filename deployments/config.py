@@ -164,11 +164,9 @@ def parse_app_config(args: Mapping[str, Any] | None) -> AppConfig:
 
 
 def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | None:
-    if not isinstance(entry, Mapping):
-        problems.append(f"{where}: must be a mapping, not {type(entry).__name__}")
-        return None
     before = len(problems)
-    _unknown_keys(entry, _MODEL_KEYS, where, problems)
+    if not _check_mapping(entry, _MODEL_KEYS, f"a mapping, not {type(entry).__name__}", where, problems):
+        return None
     name = entry.get("name")
     if not isinstance(name, str) or not name.strip() or "#" in name or name != name.strip():
         problems.append(f"{where}.name: must be a non-empty string without '#' or surrounding spaces, not {name!r}")
@@ -254,11 +252,9 @@ def _warn_about_secrets(env_vars: Mapping[str, Any], secrets: set[str], where: s
 
 
 def _parse_batching(section: Any, where: str, problems: list[str]) -> BatcherConfig | None:
-    if not isinstance(section, Mapping):
-        problems.append(f"{where}: must be a mapping of BatcherConfig fields")
-        return None
     before = len(problems)
-    _unknown_keys(section, _BATCHING_KEYS, where, problems)
+    if not _check_mapping(section, _BATCHING_KEYS, "a mapping of BatcherConfig fields", where, problems):
+        return None
     fields_ = {key: value for key, value in section.items() if key in BatcherConfig.field_names()}
     if "max_batch_tokens" in section:
         if "max_batch_cost" in section:
@@ -325,6 +321,16 @@ def _parse_ingress(section: Any, problems: list[str]) -> IngressConfig:
         env_vars=dict(env_vars),
         ray_actor_options=dict(actor_options) if actor_options is not None else None,
     )
+
+
+def _check_mapping(section: Any, allowed: frozenset[str], must_be: str, where: str, problems: list[str]) -> bool:
+    """Whether ``section`` is a mapping at all (if not, the problem says it must be ``must_be``); its keys outside
+    ``allowed`` are problems too."""
+    if not isinstance(section, Mapping):
+        problems.append(f"{where}: must be {must_be}")
+        return False
+    _unknown_keys(section, allowed, where, problems)
+    return True
 
 
 def _unknown_keys(section: Mapping[str, Any], allowed: frozenset[str], where: str, problems: list[str]) -> None:

@@ -134,10 +134,13 @@ async def closed_loop(embed: EmbedOne, texts: Sequence[str], callers: int) -> Ru
     return recorder.result(texts, elapsed, time.process_time() - cpu_start)
 
 
-async def open_loop(embed: EmbedOne, texts: Sequence[str], offsets: Sequence[float], cap_s: float) -> RunResult:
+async def open_loop(
+    embed: EmbedOne, texts: Sequence[str], offsets: Sequence[float], cap_s: float, stop: asyncio.Event | None = None
+) -> RunResult:
     """Submit ``texts[i]`` at ``offsets[i]`` seconds from the start; stop waiting ``cap_s`` after the start.
 
-    Items unfinished at the cap are cancelled and count as backlog.
+    Items unfinished at the cap are cancelled and count as backlog. Once ``stop`` is set nothing more arrives
+    (what was submitted is still waited for, up to the cap).
     """
     if len(texts) != len(offsets):
         raise ValueError("one offset per text")
@@ -150,6 +153,8 @@ async def open_loop(embed: EmbedOne, texts: Sequence[str], offsets: Sequence[flo
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if stop is not None and stop.is_set():
+                return
             tasks.append(asyncio.ensure_future(recorder.call(embed, index, text, start + offset)))
 
     feeder = asyncio.ensure_future(arrivals())

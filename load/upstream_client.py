@@ -25,11 +25,16 @@ class UpstreamError(Exception):
 
 
 class UpstreamClient:
-    """``embed(texts)``: one ``POST /v1/embeddings`` call; ``stats``/``reset_stats``: the simulator's counters."""
+    """``embed(texts)``: one ``POST /v1/embeddings`` call; ``stats``/``reset_stats``: the simulator's counters.
+    ``priority``, when given, goes in this service's ``X-Priority`` header."""
 
-    def __init__(self, root_url: str, *, model: str = "sim-embed", connections: int = 256, timeout_s: float = 120.0):
+    def __init__(self, root_url: str, *, model: str = "sim-embed", connections: int = 256, timeout_s: float = 120.0,
+                 priority: str | None = None):
         self.root_url = root_url.rstrip("/")
         self.model = model
+        self._headers = {"Content-Type": "application/json"}
+        if priority is not None:
+            self._headers["X-Priority"] = priority
         self.calls = 0
         self._connections = connections
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -50,7 +55,7 @@ class UpstreamClient:
         self.calls += 1
         body = json.dumps({"model": self.model, "input": texts, "encoding_format": "base64"})
         async with self._require_session().post(
-            f"{self.root_url}/v1/embeddings", data=body, headers={"Content-Type": "application/json"}
+            f"{self.root_url}/v1/embeddings", data=body, headers=self._headers
         ) as response:
             raw = await response.read()
             if response.status != 200:

@@ -19,6 +19,7 @@ SCENARIOS: dict[str, str] = {
     "priority": "load.bench.priority",
     "e2e": "load.bench.e2e",
     "local": "load.bench.local",
+    "bulk": "load.bench.bulk",
 }
 
 

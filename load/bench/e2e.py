@@ -30,8 +30,7 @@ from load.workload import pseudo_sentences
 
 from .harness import add_common_arguments
 from .report import machine_info, markdown_table, write_results
-from .serving import UNBATCHED, compare_over_http, deployed, median_of, serve_cluster
-from .upstream_process import upstream_config_from, upstream_process
+from .serving import UNBATCHED, compare_over_http, deployed, median_of, run_with_upstream_and_service
 
 MODEL = "sim-embed"
 MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, CONCURRENT_BATCHES = 200, 25.0, 15.0, 4
@@ -89,9 +88,7 @@ def model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    upstream = upstream_config_from(args)
-    with upstream_process(upstream) as root_url, serve_cluster() as proxy:
-        return measure(proxy, root_url, upstream, settings_from(args), getattr(args, "results_dir", None))
+    return run_with_upstream_and_service(args, measure, settings_from(args))
 
 
 def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,

@@ -1,4 +1,5 @@
-"""What the strategy benchmarks share: options, one run of one strategy against the upstream, and orderings.
+"""What the strategy benchmarks share: options and settings, the upstream around a scenario, one run of one strategy
+against it, orderings, and the report.
 
 A run: wait until the upstream is idle and zero its counters, build the strategy afresh over one shared
 ``UpstreamClient.embed``, drive it, close it, read the upstream's counters, and check every vector it returned.
@@ -12,18 +13,24 @@ import contextlib
 import gc
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from load.loadgen import RunResult, check
-from load.strategies import RunningStrategy, Strategy
+from load.strategies import RunningStrategy, Strategy, select, standard_strategies
+from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 
-from .upstream_process import add_upstream_arguments
+from .report import RESULTS_DIR, machine_info, write_results
+from .upstream_process import add_upstream_arguments, upstream_config_from, upstream_process
 
 T = TypeVar("T")
+S = TypeVar("S")  # a scenario's settings dataclass
+M = TypeVar("M")  # what a scenario's measurement returns
 Drive = Callable[[RunningStrategy], Awaitable[RunResult]]
+
+REPEATS = 3  # the reported median of three interleaved repeats is not set by one run the shared machine disturbed
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strategies: bool = True) -> None:
@@ -39,6 +46,28 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strat
                         help=f"tries of a disturbed run; the calmest is kept (default {defaults.attempts}, "
                              "1 with --quick)")
     add_upstream_arguments(parser)
+
+
+def add_seed_argument(parser: argparse.ArgumentParser, default: int, seeded: str = "workload") -> None:
+    parser.add_argument("--seed", type=int, help=f"{seeded} seed (default {default})")
+
+
+def chosen_settings(args: argparse.Namespace, defaults: S, quick: S) -> S:
+    """``quick`` with ``--quick``, else ``defaults``; every field given as an option replaced by the given value.
+
+    A scenario's settings dataclass checks itself (``ValueError``); here that is the command line's error.
+    """
+    base = quick if getattr(args, "quick", False) else defaults
+    given = {f.name: getattr(args, f.name) for f in fields(base) if getattr(args, f.name, None) is not None}
+    try:
+        return replace(base, **given)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def chosen_strategies(args: argparse.Namespace) -> list[Strategy]:
+    """The standard strategies, or those ``--strategies`` names."""
+    return select(standard_strategies(), getattr(args, "strategies", None))
 
 
 def code_version() -> dict[str, Any]:
@@ -84,6 +113,55 @@ def disturbance_from(args: argparse.Namespace) -> Disturbance:
     if disturbance.attempts < 1 or disturbance.max_loop_lag_ms <= 0:
         raise SystemExit("--attempts must be >= 1 and --max-loop-lag-ms > 0")
     return disturbance
+
+
+@dataclass(frozen=True)
+class Measured(Generic[M]):
+    """A scenario's measurement, and what it ran against."""
+
+    runs: M
+    code: dict[str, Any]
+    upstream: UpstreamConfig
+    disturbance: Disturbance
+    results_dir: Path
+
+
+def measure_scenario(
+    args: argparse.Namespace, measure: Callable[[str, int, Disturbance], Awaitable[M]]
+) -> Measured[M]:
+    """``measure(root_url, dim, disturbance)`` against the upstream the options describe, run in its own process."""
+    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
+    upstream = upstream_config_from(args)
+    disturbance = disturbance_from(args)
+    with upstream_process(upstream) as root_url:
+        runs = asyncio.run(measure(root_url, upstream.dim, disturbance))
+    return Measured(runs, code, upstream, disturbance, Path(getattr(args, "results_dir", None) or RESULTS_DIR))
+
+
+def write_report(
+    name: str, title: str, settings: Any, measured: Measured[Any], body: str, data: dict[str, Any],
+    also_written: Sequence[Path] = (),
+) -> dict[str, Any]:
+    """Write and print ``<name>.md`` (the code version, then ``body``) and ``<name>.json``; returns the JSON's data.
+
+    The data starts with what every scenario records (machine, code, settings, disturbance, upstream), then ``data``.
+    """
+    data = {
+        "machine": machine_info(),
+        "code": measured.code,
+        "settings": asdict(settings),
+        "disturbance": asdict(measured.disturbance),
+        "upstream": asdict(measured.upstream),
+        **data,
+    }
+    body = version_line(measured.code) + "\n\n" + body
+    md_path, json_path = write_results(name, title, body, data, measured.results_dir)
+    print(md_path.read_text(encoding="utf-8"))
+    if also_written:
+        print(f"wrote {md_path}, {json_path} and {', '.join(str(path) for path in also_written)}")
+    else:
+        print(f"wrote {md_path} and {json_path}")
+    return data
 
 
 async def run_strategy(

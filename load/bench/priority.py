@@ -28,7 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from batching import AdaptiveBatcher, BatcherConfig, Overloaded, Priority
@@ -39,10 +40,10 @@ from load.upstream_client import UpstreamClient
 from load.workload import poisson_arrivals, pseudo_sentences
 
 from .harness import (
-    Disturbance, add_common_arguments, code_version, disturbance_from, rotated, run_strategy, version_line,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, measure_scenario, rotated,
+    run_strategy, write_report,
 )
-from .report import machine_info, markdown_table, write_results
-from .upstream_process import upstream_config_from, upstream_process
+from .report import markdown_table
 
 CASES = {
     "no-flood": "(a) HIGH stream alone",
@@ -64,11 +65,16 @@ class Settings:
     flood_chunk: int = 64
     high_rate: float = 40.0
     high_seconds: float = 4.0
-    repeats: int = 3
+    repeats: int = REPEATS
     stall_factor: float | None = BatcherConfig().stall_factor  # the library's default
     low_aging_s: float = 1.0
     mean_chars: int = 120
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (min(self.flood_items, self.flood_workers, self.flood_chunk, self.repeats) < 1
+                or min(self.high_rate, self.high_seconds) <= 0):
+            raise ValueError("priority: counts must be >= 1, --high-rate and --high-seconds > 0")
 
 
 QUICK = Settings(flood_items=600, flood_workers=4, flood_chunk=50, high_rate=40.0, high_seconds=0.5, repeats=1)
@@ -87,21 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"BatcherConfig.stall_factor, or 'none' (default {defaults.stall_factor})")
     parser.add_argument("--low-aging-s", type=float,
                         help=f"BatcherConfig.low_aging_s (default {defaults.low_aging_s:g})")
-    parser.add_argument("--seed", type=int, help=f"workload seed (default {defaults.seed})")
+    add_seed_argument(parser, defaults.seed)
 
 
 def _factor(text: str) -> float | None:
     return None if text.strip().lower() == "none" else float(text)
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if getattr(args, "quick", False) else Settings()
-    given = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
-    settings = replace(base, **given)
-    if (min(settings.flood_items, settings.flood_workers, settings.flood_chunk, settings.repeats) < 1
-            or min(settings.high_rate, settings.high_seconds) <= 0):
-        raise SystemExit("priority: counts must be >= 1, --high-rate and --high-seconds > 0")
-    return settings
 
 
 def batcher_strategy(settings: Settings, case: str = "flood-low") -> Strategy:
@@ -110,38 +106,23 @@ def batcher_strategy(settings: Settings, case: str = "flood-low") -> Strategy:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
-    settings = settings_from(args)
-    upstream = upstream_config_from(args)
+    settings = chosen_settings(args, Settings(), QUICK)
     strategy = batcher_strategy(settings)
-    disturbance = disturbance_from(args)
-    with upstream_process(upstream) as root_url:
-        runs = asyncio.run(measure(settings, root_url, upstream.dim, disturbance))
-    table = summarise(runs)
+    measured = measure_scenario(args, partial(measure, settings))
+    table = summarise(measured.runs)
     ratio = _ratio(table["flood-low"]["high_p99_ms"], table["no-flood"]["high_p99_ms"])
     verdict = {"ratio_b_to_a": ratio, "target": TARGET_RATIO, "met": ratio is not None and ratio <= TARGET_RATIO}
     if "flood-separate" in table:
         verdict["ratio_e_to_a"] = _ratio(table["flood-separate"]["high_p99_ms"], table["no-flood"]["high_p99_ms"])
         verdict["ratio_b_to_e"] = _ratio(table["flood-low"]["high_p99_ms"], table["flood-separate"]["high_p99_ms"])
+    body = render(settings, measured.upstream, strategy, table, verdict, measured.disturbance)
     data = {
-        "machine": machine_info(),
-        "code": code,
-        "settings": asdict(settings),
-        "disturbance": asdict(disturbance),
-        "upstream": asdict(upstream),
         "batcher": strategy.description,
         "table": table,
         "target": verdict,
-        "runs": {case: [record for _, record in records] for case, records in runs.items()},
+        "runs": {case: [record for _, record in records] for case, records in measured.runs.items()},
     }
-    body = version_line(data["code"]) + "\n\n" + render(
-        settings, upstream, strategy, table, verdict, disturbance)
-    md_path, json_path = write_results(
-        "priority", "Priorities under a bulk flood", body, data, getattr(args, "results_dir", None)
-    )
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("priority", "Priorities under a bulk flood", settings, measured, body, data)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

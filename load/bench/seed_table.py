@@ -10,22 +10,22 @@ printed beside ours for reference.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from load.loadgen import closed_loop
-from load.strategies import MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, Strategy, select, standard_strategies
+from load.strategies import MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, Strategy
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .harness import (
-    Disturbance, add_common_arguments, code_version, disturbance_from, rotated, run_strategy, version_line,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, chosen_strategies,
+    measure_scenario, rotated, run_strategy, write_report,
 )
-from .report import machine_info, markdown_table, write_results
-from .upstream_process import upstream_config_from, upstream_process
+from .report import markdown_table
 
 # The article's §6 table: strategy -> (items/s, P50 ms, P99 ms, upstream calls).
 ARTICLE_ROWS = {
@@ -46,8 +46,12 @@ class Settings:
     texts: int = 1000
     mean_chars: int = 120
     callers: int = 50
-    repeats: int = 3
+    repeats: int = REPEATS
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.texts, self.callers, self.repeats) < 1 or self.mean_chars < 2:
+            raise ValueError("seed-table: --texts, --callers, --repeats must be >= 1, --mean-chars >= 2")
 
 
 QUICK = Settings(texts=120, callers=10, repeats=1)
@@ -59,47 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--texts", type=int, help=f"texts to embed (default {defaults.texts})")
     parser.add_argument("--callers", type=int, help=f"closed-loop callers (default {defaults.callers})")
     parser.add_argument("--mean-chars", type=int, help=f"mean text length (default {defaults.mean_chars})")
-    parser.add_argument("--seed", type=int, help=f"workload seed (default {defaults.seed})")
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if getattr(args, "quick", False) else Settings()
-    given = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
-    settings = replace(base, **given)
-    if min(settings.texts, settings.callers, settings.repeats) < 1 or settings.mean_chars < 2:
-        raise SystemExit("seed-table: --texts, --callers, --repeats must be >= 1, --mean-chars >= 2")
-    return settings
+    add_seed_argument(parser, defaults.seed)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
-    settings = settings_from(args)
-    strategies = select(standard_strategies(), getattr(args, "strategies", None))
-    upstream = upstream_config_from(args)
-    disturbance = disturbance_from(args)
-    with upstream_process(upstream) as root_url:
-        runs = asyncio.run(measure(settings, strategies, root_url, upstream.dim, disturbance))
-    rows = summarise(runs)
-    verdicts = judge(rows, settings, upstream)
+    settings = chosen_settings(args, Settings(), QUICK)
+    strategies = chosen_strategies(args)
+    measured = measure_scenario(args, partial(measure, settings, strategies))
+    rows = summarise(measured.runs)
+    verdicts = judge(rows, settings, measured.upstream)
+    body = render(settings, measured.upstream, strategies, rows, verdicts, measured.disturbance)
     data = {
-        "machine": machine_info(),
-        "code": code,
-        "settings": asdict(settings),
-        "disturbance": asdict(disturbance),
-        "upstream": asdict(upstream),
         "strategies": {s.name: s.description for s in strategies},
         "rows": rows,
         "targets": verdicts,
-        "runs": runs,
+        "runs": measured.runs,
     }
-    body = version_line(data["code"]) + "\n\n" + render(
-        settings, upstream, strategies, rows, verdicts, disturbance)
-    md_path, json_path = write_results(
-        "seed_table", "Seed table: the article's §6 experiment", body, data, getattr(args, "results_dir", None)
-    )
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("seed_table", "Seed table: the article's §6 experiment", settings, measured, body, data)
 
 
 async def measure(

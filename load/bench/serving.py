@@ -4,13 +4,14 @@ single-text HTTP requests against each, interleaved."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import yaml
 
@@ -18,7 +19,7 @@ from load.loadgen import check, closed_loop
 from load.upstream_client import UpstreamClient
 
 from .harness import rotated
-from .upstream_process import free_port
+from .upstream_process import free_port, upstream_config_from, upstream_process
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
@@ -59,6 +60,15 @@ def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def run_with_upstream_and_service(args: argparse.Namespace, measure: Callable[..., dict[str, Any]],
+                                  settings: Any) -> dict[str, Any]:
+    """``measure(proxy_url, upstream_root_url, upstream_config, settings, results_dir)`` on a fresh cluster, with the
+    simulated upstream the command line describes in its own process."""
+    upstream = upstream_config_from(args)
+    with upstream_process(upstream) as root_url, serve_cluster() as proxy:
+        return measure(proxy, root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
 @contextmanager

@@ -11,24 +11,24 @@ the items were still waiting). Strategies run interleaved at each rate (the orde
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import statistics
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
 from load.loadgen import RunResult, censored_percentile, open_loop
-from load.strategies import Strategy, select, standard_strategies
+from load.strategies import Strategy
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import poisson_arrivals, pseudo_sentences
 
 from .harness import (
-    Disturbance, add_common_arguments, code_version, disturbance_from, rotated, run_strategy, version_line,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, chosen_strategies,
+    measure_scenario, rotated, run_strategy, write_report,
 )
-from .report import RESULTS_DIR, machine_info, markdown_table, write_results
-from .upstream_process import upstream_config_from, upstream_process
+from .report import markdown_table
 
 FIXED = ("fixed-50/50ms", "fixed-100/100ms", "serve.batch-200/25ms")
 TARGET_NEAR_BEST_FIXED = 1.10  # adaptive P99 at most 10% above the best fixed strategy's, at every rate
@@ -41,9 +41,14 @@ class Settings:
     max_items: int = 2000
     max_seconds: float = 4.0
     drain_seconds: float = 3.0
-    repeats: int = 3
+    repeats: int = REPEATS
     mean_chars: int = 120
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (not self.rates or min(self.rates) <= 0 or min(self.max_items, self.repeats) < 1
+                or min(self.max_seconds, self.drain_seconds) <= 0):
+            raise ValueError("sweep: rates and times must be > 0, --max-items and --repeats >= 1")
 
 
 QUICK = Settings(rates=(50, 400), max_items=40, max_seconds=0.3, drain_seconds=10.0, repeats=1)
@@ -60,50 +65,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"arrival window per rate at most (default {defaults.max_seconds})")
     parser.add_argument("--drain-seconds", type=float,
                         help=f"how long after the last arrival a run may finish (default {defaults.drain_seconds})")
-    parser.add_argument("--seed", type=int, help=f"workload and arrival seed (default {defaults.seed})")
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if getattr(args, "quick", False) else Settings()
-    given = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
-    settings = replace(base, **given)
-    if (not settings.rates or min(settings.rates) <= 0 or min(settings.max_items, settings.repeats) < 1
-            or min(settings.max_seconds, settings.drain_seconds) <= 0):
-        raise SystemExit("sweep: rates and times must be > 0, --max-items and --repeats >= 1")
-    return settings
+    add_seed_argument(parser, defaults.seed, "workload and arrival")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    code = code_version()  # before measuring: the code that runs, not what is checked out at the end
-    settings = settings_from(args)
-    strategies = select(standard_strategies(), getattr(args, "strategies", None))
-    upstream = upstream_config_from(args)
-    disturbance = disturbance_from(args)
-    with upstream_process(upstream) as root_url:
-        results = asyncio.run(measure(settings, strategies, root_url, upstream.dim, disturbance))
-    table = summarise(settings, strategies, results)
+    settings = chosen_settings(args, Settings(), QUICK)
+    strategies = chosen_strategies(args)
+    measured = measure_scenario(args, partial(measure, settings, strategies))
+    table = summarise(settings, strategies, measured.runs)
     verdicts = judge(settings, table)
-    results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
-    plots = plot(settings, strategies, table, results_dir)
+    plots = plot(settings, strategies, table, measured.results_dir)
+    body = render(settings, measured.upstream, strategies, table, verdicts, plots, measured.disturbance)
     data = {
-        "machine": machine_info(),
-        "code": code,
-        "settings": asdict(settings),
-        "disturbance": asdict(disturbance),
-        "upstream": asdict(upstream),
         "strategies": {s.name: s.description for s in strategies},
         "table": table,
         "targets": verdicts,
         "plots": [path.name for path in plots],
         "runs": {f"{rate:g}": {name: [r for _, r in runs] for name, runs in per.items()}
-                 for rate, per in results.items()},
+                 for rate, per in measured.runs.items()},
     }
-    body = version_line(data["code"]) + "\n\n" + render(
-        settings, upstream, strategies, table, verdicts, plots, disturbance)
-    md_path, json_path = write_results("sweep", "Load sweep: open-loop Poisson arrivals", body, data, results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path}, {json_path} and {', '.join(str(p) for p in plots)}")
-    return data
+    return write_report("sweep", "Load sweep: open-loop Poisson arrivals", settings, measured, body, data,
+                        also_written=plots)
 
 
 Runs = dict[float, dict[str, list[tuple[RunResult, dict[str, Any]]]]]

@@ -1,11 +1,11 @@
 """Smoke runs of the full-service benchmarks on a tiny workload: every variant answers every request correctly.
-No timing is asserted; the figures come from `python -m load.bench e2e|local`."""
+No timing is asserted; the figures come from `python -m load.bench e2e|local|bulk`."""
 
 from __future__ import annotations
 
 import pytest
 
-from load.bench import e2e, local
+from load.bench import bulk, e2e, local
 from load.upstream import UpstreamConfig
 from load.bench.upstream_process import upstream_process
 
@@ -30,3 +30,19 @@ def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
         assert row["errors"] == 0
         assert row["batched"]["items_per_s"] > 0 and row["unbatched"]["items_per_s"] > 0
     assert data["rows"]["1"]["unbatched"]["mean_batch_size"] == 1.0
+
+
+def test_bulk_scenario_embeds_every_document_in_place_and_streams_high_requests(serve_instance, tmp_path):
+    upstream = UpstreamConfig(base_latency_ms=1, per_token_ms=0, jitter=0)
+    with upstream_process(upstream) as root_url:
+        data = bulk.measure(serve_instance.url, root_url, upstream, bulk.QUICK, tmp_path)
+    assert (tmp_path / "bulk.md").exists() and (tmp_path / "bulk.json").exists()
+    runs = data["runs"]
+    unbatched = runs["one_request_per_document"]
+    assert unbatched["completed"] == unbatched["upstream_calls"] == bulk.QUICK.unbatched_documents
+    assert unbatched["errors"] == unbatched["mismatches"] == 0
+    for job in (runs["job_alone"], runs["job_with_high"]):
+        assert job["rows"] == bulk.QUICK.documents
+        assert job["misplaced_ids"] == job["mismatches"] == 0
+    assert 0 < runs["job_alone"]["upstream_calls"] < bulk.QUICK.documents
+    assert runs["high_alone"]["completed"] > 0 and runs["high_alone"]["errors"] == 0

@@ -14,14 +14,14 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from load.upstream import RunningUpstream
 
 from . import cluster
 from .cluster import POISON, SLOW, UPSTREAM_MODEL
 from .scale import Scale
-from .traffic import (Outcome, Phase, PlanMaker, billing, counts, failure_window, new_session, normal_latency_s,
+from .traffic import (Outcome, Phase, PlanMaker, Run, billing, counts, failure_window, new_session, normal_latency_s,
                       recovery_s, run_phases, statuses, summary_latency)
 
 CLIENT_KEYS = ("rel-client-key-0123456789abcdef", "rel-client-key-fedcba9876543210")
@@ -207,8 +207,15 @@ def _between(outcomes: list[Outcome], start: float, end: float) -> list[Outcome]
     return [outcome for outcome in outcomes if start <= outcome.start < end]
 
 
-def _run(coroutine_factory: Callable[[], Any]) -> Any:
-    return asyncio.run(coroutine_factory())
+def _drive(target: Target, make_plan: PlanMaker, phases: list[Phase],
+           during: Callable[[float], Awaitable[dict[str, Any]]] | None = None) -> Run:
+    """``run_phases`` against ``target`` over a new session; ``during(t0)``, if given, runs alongside."""
+    async def drive() -> Run:
+        async with new_session() as client:
+            return await run_phases(client, target.url, target.model, make_plan, phases, api_key=target.api_key,
+                                    during=during)
+
+    return asyncio.run(drive())
 
 
 # ---- upstream faults ------------------------------------------------------------------------------------------------
@@ -261,13 +268,8 @@ def upstream_fault(target: Target, scale: Scale, name: str) -> Result:
               Phase("recovery", scale.recovery_s, scale.rate_per_s, fault_off)]
     before_abandoned = target.backend_stats().get("abandoned_items", 0)
     upstream.reset()
-
-    async def drive():
-        async with new_session() as client:
-            return await run_phases(client, target.url, target.model, make_plan, phases, api_key=target.api_key)
-
     with Sampler(target) as sampler:
-        run = _run(drive)
+        run = _drive(target, make_plan, phases)
     time.sleep(2.0 if name == "slow" else 0.2)  # calls the service abandoned finish (and are billed) upstream
     stats = upstream.stats()
     abandoned = target.backend_stats().get("abandoned_items", 0) - before_abandoned
@@ -301,13 +303,8 @@ def overload(target: Target, scale: Scale) -> Result:
               Phase("recovery", max(6.0, scale.recovery_s), 0.5 * capacity_req_s)]
     (replica,) = cluster.replicas(target.app_name, target.deployment)
     upstream.reset()
-
-    async def drive():
-        async with new_session() as client:
-            return await run_phases(client, target.url, target.model, make_plan, phases, api_key=target.api_key)
-
     with Sampler(target) as sampler:
-        run = _run(drive)
+        run = _drive(target, make_plan, phases)
     memory_after = cluster.memory_kib(replica.pid)
     stats = upstream.stats()
     baseline = _between(run.outcomes, 0, run.phase_ends["baseline"])
@@ -334,16 +331,50 @@ def overload(target: Target, scale: Scale) -> Result:
 
 # ---- replica loss and redeploy --------------------------------------------------------------------------------------
 
-def replica_loss(target: Target, scale: Scale) -> Result:
-    upstream = target.upstream
-    cluster.wait_for_running_replicas(target.app_name, target.deployment, 2)
-    make_plan = PlanMaker(f"loss-{uuid.uuid4().hex[:8]}", low_fraction=0.2, timeouts=(10.0,))
+@dataclass(frozen=True)
+class ChurnRun:
+    """Steady load through a baseline and a fault phase, and an event (a kill, a redeploy) as the baseline ends."""
+
+    scale: Scale
+    load: str
+    run: Run
+    billed: int
+    event_at: float  # seconds since the run started
+
+    def result(self, name: str, faults: str, after_event: str, settled_at: float | None, **extra: Any) -> Result:
+        """The scenario's result: latency before the event and after it (as ``after_event``); recovery counted as in
+        ``_recovery_after``."""
+        outcomes = self.run.outcomes
+        baseline = _between(outcomes, 0, self.event_at)
+        latency = {"baseline": summary_latency(baseline),
+                   after_event: summary_latency(_between(outcomes, self.event_at, self.run.phase_ends["fault"]))}
+        recovery = _recovery_after(outcomes, self.event_at, settled_at, normal_latency_s(baseline))
+        return _result(name, self.scale, self.load, faults, outcomes, self.billed, 0, recovery, latency, **extra)
+
+
+def _churn(target: Target, scale: Scale, plan_name: str, timeout_s: float,
+           event: Callable[[float], Awaitable[dict[str, Any]]], event_mark: str) -> ChurnRun:
+    """Steady load on ``target``; ``event(t0)`` starts as the baseline ends and returns its marks, ``event_mark``
+    among them: when the event started."""
+    make_plan = PlanMaker(f"{plan_name}-{uuid.uuid4().hex[:8]}", low_fraction=0.2, timeouts=(timeout_s,))
     phases = [Phase("baseline", scale.baseline_s + 1.0, scale.rate_per_s),
               Phase("fault", scale.churn_s, scale.rate_per_s)]
+
+    async def event_after_baseline(t0: float) -> dict[str, Any]:
+        await asyncio.sleep(phases[0].duration_s)
+        return await event(t0)
+
+    target.upstream.reset()
+    run = _drive(target, make_plan, phases, during=event_after_baseline)
+    load = f"{scale.rate_per_s:g} req/s (1-16 inputs) for {phases[0].duration_s:g} s, then {scale.churn_s:g} s more"
+    return ChurnRun(scale, load, run, target.upstream.stats()["items_billed"], run.marks[event_mark])
+
+
+def replica_loss(target: Target, scale: Scale) -> Result:
+    cluster.wait_for_running_replicas(target.app_name, target.deployment, 2)
     marks: dict[str, Any] = {}
 
     async def kill_one(t0: float) -> dict[str, Any]:
-        await asyncio.sleep(scale.baseline_s + 1.0)
         victim = cluster.replicas(target.app_name, target.deployment)[0]
         marks["killed_at"] = time.monotonic() - t0
         await asyncio.to_thread(cluster.kill_replica, victim)
@@ -358,28 +389,14 @@ def replica_loss(target: Target, scale: Scale) -> Result:
             if time.monotonic() - t0 > marks["killed_at"] + 120:
                 return marks
 
-    upstream.reset()
-
-    async def drive():
-        async with new_session() as client:
-            return await run_phases(client, target.url, target.model, make_plan, phases, api_key=target.api_key,
-                                    during=kill_one)
-
-    run = _run(drive)
-    stats = upstream.stats()
-    killed_at = run.marks["killed_at"]
-    baseline = _between(run.outcomes, 0, killed_at)
-    threshold = normal_latency_s(baseline)
-    window = failure_window(run.outcomes)
-    failed = [o for o in run.outcomes if o.kind != "ok"]
-    latency = {"baseline": summary_latency(baseline),
-               "after_kill": summary_latency(_between(run.outcomes, killed_at, run.phase_ends["fault"]))}
-    replaced = run.marks.get("replaced_at")
-    return _result(
-        "replica-loss", scale,
-        f"{scale.rate_per_s:g} req/s (1-16 inputs) for {phases[0].duration_s:g} s, then {scale.churn_s:g} s more",
-        "ray.kill of one of the two model replicas (no graceful shutdown)", run.outcomes, stats["items_billed"],
-        0, _recovery_after(run.outcomes, killed_at, run.marks.get("replaced_at"), threshold), latency,
+    churn = _churn(target, scale, "loss", 10.0, kill_one, "killed_at")
+    killed_at = churn.event_at
+    window = failure_window(churn.run.outcomes)
+    failed = [o for o in churn.run.outcomes if o.kind != "ok"]
+    replaced = churn.run.marks.get("replaced_at")
+    return churn.result(
+        "replica-loss", "ray.kill of one of the two model replicas (no graceful shutdown)", after_event="after_kill",
+        settled_at=replaced,
         failed_requests=len(failed),
         failure_window_s=None if window is None else {"first_failure_after_kill": round(window[0] - killed_at, 2),
                                                       "last_failure_after_kill": round(window[1] - killed_at, 2)},
@@ -398,42 +415,21 @@ def _recovery_after(outcomes: list[Outcome], event_at: float, settled_at: float 
 
 
 def redeploy(target: Target, scale: Scale, *, replicas_after: int = 1) -> Result:
-    upstream = target.upstream
-    make_plan = PlanMaker(f"redeploy-{uuid.uuid4().hex[:8]}", low_fraction=0.2, timeouts=(20.0,))
-    phases = [Phase("baseline", scale.baseline_s + 1.0, scale.rate_per_s),
-              Phase("fault", scale.churn_s, scale.rate_per_s)]
     new_args = copy.deepcopy(target.args)
     before = len(cluster.replicas(target.app_name, target.deployment))
     for model in new_args["models"]:
         model["num_replicas"] = replicas_after
 
     async def redeploy_now(t0: float) -> dict[str, Any]:
-        await asyncio.sleep(scale.baseline_s + 1.0)
         marks = {"redeploy_started": time.monotonic() - t0}
         await asyncio.to_thread(cluster.deploy, target.app_name, target.prefix, new_args)
         marks["redeploy_done"] = time.monotonic() - t0
         return marks
 
-    upstream.reset()
-
-    async def drive():
-        async with new_session() as client:
-            return await run_phases(client, target.url, target.model, make_plan, phases, api_key=target.api_key,
-                                    during=redeploy_now)
-
-    run = _run(drive)
-    stats = upstream.stats()
-    started = run.marks["redeploy_started"]
-    baseline = _between(run.outcomes, 0, started)
-    threshold = normal_latency_s(baseline)
-    latency = {"baseline": summary_latency(baseline),
-               "during_and_after": summary_latency(_between(run.outcomes, started, run.phase_ends["fault"]))}
-    return _result(
-        "redeploy", scale,
-        f"{scale.rate_per_s:g} req/s (1-16 inputs) for {phases[0].duration_s:g} s, then {scale.churn_s:g} s more",
-        f"serve.run of the app with num_replicas {before} -> {replicas_after} under load (every replica replaced)",
-        run.outcomes, stats["items_billed"], 0,
-        _recovery_after(run.outcomes, started, run.marks["redeploy_done"], threshold), latency,
-        redeploy_s=round(run.marks["redeploy_done"] - started, 2),
+    churn = _churn(target, scale, "redeploy", 20.0, redeploy_now, "redeploy_started")
+    faults = f"serve.run of the app with num_replicas {before} -> {replicas_after} under load (every replica replaced)"
+    return churn.result(
+        "redeploy", faults, after_event="during_and_after", settled_at=churn.run.marks["redeploy_done"],
+        redeploy_s=round(churn.run.marks["redeploy_done"] - churn.event_at, 2),
         replicas_after=len(cluster.replicas(target.app_name, target.deployment)),
     )

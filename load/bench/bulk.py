@@ -1,0 +1,289 @@
+"""The nightly job: 100,000 documents through the full service, one request each vs the bulk client at LOW priority.
+
+One Ray cluster runs two copies of the application, each with one replica of the ``openai`` backend pointed at the
+simulated upstream (its own process): ``adaptive`` (max_batch 200, max_wait 25 ms, 4 batches in flight, as in
+``e2e``) and ``unbatched`` (max_batch 1, no wait). Four measured runs, one after another:
+
+1. one request per document: single-text requests to ``unbatched`` from 50 closed-loop callers, over the first
+   ``--unbatched-documents`` documents (all 100,000 take over 8 minutes: the time for all is projected from the
+   measured rate and said to be a projection);
+2. a HIGH stream alone: single-text requests with ``X-Priority: high``, Poisson arrivals, to ``adaptive``;
+3. the bulk job alone: ``python -m load.bulk`` (the ``embed-bulk`` a user runs, in its own process) over all the
+   documents, ``X-Priority: low``, to ``adaptive``; wall time from launch to exit, upstream calls from the
+   upstream's counters;
+4. the bulk job again with the same HIGH stream running from its first upstream call to its exit; with
+   ``--fifo-control`` also a fifth run where the job is sent at HIGH priority (one FIFO lane), to show what the
+   priority buys.
+
+Every vector is checked against its text's hash: the job's ``.npy`` row by row against its ids.
+Targets: the job's upstream calls ≤ 1% of documents; HIGH P99 during the job ≤ 1.5× without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from load.loadgen import RunResult, check, closed_loop, count_mismatches, open_loop
+from load.upstream import UpstreamConfig
+from load.upstream_client import UpstreamClient
+from load.workload import poisson_arrivals, pseudo_sentences
+
+from .e2e import MODEL, model_entry
+from .harness import chosen_settings
+from .report import machine_info, markdown_table, write_results
+from .serving import UNBATCHED, deployed, run_with_upstream_and_service
+from .upstream_process import add_upstream_arguments
+
+TARGET_CALLS_PER_DOCUMENT = 0.01
+TARGET_HIGH_P99_RATIO = 1.5
+STREAM_CAP_S = 3600.0  # a stream during a job ends with the job; this only bounds a job that never ends
+
+
+@dataclass(frozen=True)
+class Settings:
+    documents: int = 100_000
+    unbatched_documents: int = 5_000
+    unbatched_callers: int = 50
+    job_concurrency: int = 8  # embed-bulk's defaults
+    job_batch_size: int = 64
+    high_rate_per_s: float = 20.0
+    baseline_s: float = 30.0
+    mean_chars: int = 120
+    fifo_control: bool = False
+
+
+QUICK = Settings(documents=400, unbatched_documents=40, unbatched_callers=8, high_rate_per_s=10.0, baseline_s=2.0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
+    for setting in fields(Settings):
+        flag = f"--{setting.name.replace('_', '-')}"
+        if setting.type == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=f"(default {setting.default})")
+        else:
+            kind = int if setting.type == "int" else float
+            parser.add_argument(flag, type=kind, help=f"(default {setting.default}; --quick {getattr(QUICK, setting.name)})")
+    add_upstream_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return run_with_upstream_and_service(args, measure, chosen_settings(args, Settings(), QUICK))
+
+
+def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
+            results_dir: Any = None) -> dict[str, Any]:
+    """The scenario on a running Serve instance (HTTP proxy at ``proxy``) and upstream (at ``root_url``)."""
+    from deployments.app import build_app
+
+    base_url = f"{root_url}/v1"
+    apps = {"adaptive": build_app({"models": [model_entry(base_url)]}),
+            "unbatched": build_app({"models": [model_entry(base_url, **UNBATCHED)]})}
+    documents = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
+    stream_texts = pseudo_sentences(int(settings.high_rate_per_s * 1800), settings.mean_chars, seed=1)
+    with deployed(proxy, apps, MODEL) as targets, tempfile.TemporaryDirectory(prefix="bench-bulk-") as work:
+        urls = {target.label: target.url for target in targets}
+        input_path = write_documents(documents, Path(work) / "documents.jsonl")
+        runs = asyncio.run(_all_runs(urls, root_url, documents, stream_texts, input_path, settings, upstream.dim))
+    data = summarise(runs, settings, upstream)
+    md_path, json_path = write_results("bulk", "The nightly bulk job through the full service", render(data), data,
+                                       results_dir)
+    print(md_path.read_text(encoding="utf-8"))
+    print(f"wrote {md_path} and {json_path}")
+    return data
+
+
+async def _all_runs(urls: dict[str, str], root_url: str, documents: Sequence[str], stream_texts: Sequence[str],
+                    input_path: Path, settings: Settings, dim: int) -> dict[str, Any]:
+    async with UpstreamClient(root_url) as upstream:
+        runs: dict[str, Any] = {
+            "one_request_per_document": await one_request_per_document(
+                urls["unbatched"], upstream, documents[: settings.unbatched_documents], settings, dim),
+            "high_alone": (await high_stream(urls["adaptive"], stream_texts, settings, dim)).summary(),
+            "job_alone": await bulk_job(urls["adaptive"], upstream, documents, input_path, settings, dim),
+            "job_with_high": await bulk_job(urls["adaptive"], upstream, documents, input_path, settings, dim,
+                                            stream_texts=stream_texts),
+        }
+        if settings.fifo_control:
+            runs["job_at_high_with_high"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
+                                                           settings, dim, stream_texts=stream_texts, priority="high")
+    return runs
+
+
+def write_documents(documents: Sequence[str], path: Path) -> Path:
+    with path.open("w", encoding="utf-8") as file:
+        for index, text in enumerate(documents):
+            file.write(json.dumps({"id": document_id(index), "text": text}) + "\n")
+    return path
+
+
+def document_id(index: int) -> str:
+    return f"doc-{index:06d}"
+
+
+async def one_request_per_document(url: str, upstream: UpstreamClient, documents: Sequence[str],
+                                   settings: Settings, dim: int) -> dict[str, Any]:
+    await upstream.wait_idle()
+    before = (await upstream.stats())["calls"]
+    async with UpstreamClient(url, model=MODEL) as client:
+        async def embed_one(text: str) -> Any:
+            return (await client.embed([text]))[0]
+
+        result = check(await closed_loop(embed_one, documents, settings.unbatched_callers), documents, dim)
+    calls = (await upstream.stats())["calls"] - before
+    return {**result.summary(), "documents": len(documents), "upstream_calls": calls}
+
+
+async def high_stream(url: str, texts: Sequence[str], settings: Settings, dim: int,
+                      stop: asyncio.Event | None = None) -> RunResult:
+    """Single HIGH texts at Poisson arrivals: for ``settings.baseline_s``, or until ``stop`` is set."""
+    duration_s = settings.baseline_s if stop is None else STREAM_CAP_S
+    offsets = poisson_arrivals(settings.high_rate_per_s, len(texts), duration_s, seed=2)
+    texts = texts[: len(offsets)]
+    async with UpstreamClient(url, model=MODEL, priority="high") as client:
+        async def embed_one(text: str) -> Any:
+            return (await client.embed([text]))[0]
+
+        result = await open_loop(embed_one, texts, offsets, duration_s + 60.0, stop=stop)
+    return check(result, texts, dim)
+
+
+async def bulk_job(url: str, upstream: UpstreamClient, documents: Sequence[str], input_path: Path,
+                   settings: Settings, dim: int, *, stream_texts: Sequence[str] | None = None,
+                   priority: str = "low") -> dict[str, Any]:
+    """``python -m load.bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream runs
+    from the job's first upstream call until it exits."""
+    await upstream.wait_idle()
+    output_path = input_path.with_name(f"vectors-{time.monotonic_ns()}.npy")
+    before = (await upstream.stats())["calls"]
+    command = [sys.executable, "-m", "load.bulk", str(input_path), str(output_path), "--base-url", f"{url}/v1",
+               "--model", MODEL, "--priority", priority, "--concurrency", str(settings.job_concurrency),
+               "--batch-size", str(settings.job_batch_size), "--progress", "never"]
+    started = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    finished = asyncio.ensure_future(process.communicate())
+    stream: RunResult | None = None
+    if stream_texts is not None:
+        stop = asyncio.Event()
+        finished.add_done_callback(lambda _: stop.set())
+        while not finished.done() and (await upstream.stats())["calls"] == before:
+            await asyncio.sleep(0.02)
+        stream = await high_stream(url, stream_texts, settings, dim, stop)
+    _, stderr = await finished
+    wall_s = time.perf_counter() - started
+    calls = (await upstream.stats())["calls"] - before
+    report = stderr.decode("utf-8", "replace").strip()
+    if process.returncode != 0:
+        raise RuntimeError(f"embed-bulk exited with {process.returncode}:\n{report[-3000:]}")
+    job = {"documents": len(documents), "priority": priority, "wall_s": wall_s,
+           "documents_per_s": len(documents) / wall_s, "upstream_calls": calls,
+           "upstream_calls_include_stream": stream is not None, "embed_bulk_report": report.splitlines(),
+           **check_output(output_path, documents, dim)}
+    if stream is not None:
+        job["high_stream"] = stream.summary()
+    return job
+
+
+def check_output(output_path: Path, documents: Sequence[str], dim: int) -> dict[str, int]:
+    """Rows, misplaced ids and vectors not matching their document's hash in the job's ``.npy`` output."""
+    matrix = np.load(output_path)
+    ids_path = output_path.with_name(output_path.name + ".ids.jsonl")
+    ids = [json.loads(line) for line in ids_path.read_text(encoding="utf-8").splitlines()]
+    expected = [document_id(index) for index in range(len(documents))]
+    misplaced = sum(found != wanted for found, wanted in zip(ids, expected)) + abs(len(ids) - len(expected))
+    return {"rows": len(matrix), "misplaced_ids": misplaced, "mismatches": count_mismatches(documents, list(matrix), dim)}
+
+
+def summarise(runs: dict[str, Any], settings: Settings, upstream: UpstreamConfig) -> dict[str, Any]:
+    unbatched = runs["one_request_per_document"]
+    job = runs["job_alone"]
+    high_alone_p99 = runs["high_alone"]["p99_ms"]
+    high_during_p99 = runs["job_with_high"]["high_stream"]["p99_ms"]
+    p99_ratio = high_during_p99 / high_alone_p99 if high_alone_p99 and high_during_p99 else None
+    calls_per_document = job["upstream_calls"] / job["documents"]
+    projected_s = settings.documents / unbatched["items_per_s"] if unbatched["items_per_s"] else None
+    return {
+        "machine": machine_info(),
+        "settings": asdict(settings),
+        "upstream": asdict(upstream),
+        "runs": runs,
+        "one_request_per_document_projected": {"documents": settings.documents, "wall_s": projected_s,
+                                               "upstream_calls": settings.documents},
+        "speedup": projected_s / job["wall_s"] if projected_s else None,
+        "targets": {
+            "calls_per_document": {"value": calls_per_document, "needed": TARGET_CALLS_PER_DOCUMENT,
+                                   "met": calls_per_document <= TARGET_CALLS_PER_DOCUMENT},
+            "high_p99_ratio": {"value": p99_ratio, "needed": TARGET_HIGH_P99_RATIO,
+                               "met": p99_ratio is not None and p99_ratio <= TARGET_HIGH_P99_RATIO},
+        },
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    settings, runs, upstream = data["settings"], data["runs"], data["upstream"]
+
+    def fmt(value: float | None, digits: int = 1) -> str:
+        return "—" if value is None else f"{value:,.{digits}f}"
+
+    unbatched, projected = runs["one_request_per_document"], data["one_request_per_document_projected"]
+    job_rows = [
+        [f"one request per document, measured ({settings['unbatched_callers']} callers)", unbatched["documents"],
+         fmt(unbatched["elapsed_s"]), fmt(unbatched["items_per_s"]), unbatched["upstream_calls"],
+         unbatched["errors"] + unbatched["mismatches"]],
+        ["one request per document, projected from that rate", projected["documents"], fmt(projected["wall_s"]),
+         fmt(unbatched["items_per_s"]), f"{projected['upstream_calls']} (1 a document)", "—"],
+    ]
+    stream_rows = [["none (the stream alone)", *_stream_cells(runs["high_alone"], fmt)]]
+    for key, label in (("job_alone", "embed-bulk, LOW, alone"), ("job_with_high", "embed-bulk, LOW, + HIGH stream"),
+                       ("job_at_high_with_high", "embed-bulk sent at HIGH (one FIFO lane), + HIGH stream")):
+        if key not in runs:
+            continue
+        job = runs[key]
+        job_rows.append([label, job["documents"], fmt(job["wall_s"]), fmt(job["documents_per_s"]),
+                         job["upstream_calls"] if not job["upstream_calls_include_stream"]
+                         else f"{job['upstream_calls']} (incl. the stream's)",
+                         job["mismatches"] + job["misplaced_ids"] + (job["documents"] - job["rows"])])
+        if "high_stream" in job:
+            stream_rows.append([label, *_stream_cells(job["high_stream"], fmt)])
+    targets = data["targets"]
+    calls, ratio = targets["calls_per_document"], targets["high_p99_ratio"]
+    verdict = {True: "met", False: "**not met**"}
+    jobs_table = markdown_table(["run", "documents", "wall s", "documents/s", "upstream calls", "wrong rows"],
+                                job_rows)
+    stream_table = markdown_table(["bulk job running", "HIGH requests", "P50 ms", "P99 ms", "errors"], stream_rows)
+    return f"""\
+{settings['documents']:,} generated documents (~{settings['mean_chars']} characters). Upstream in its own process: \
+base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, jitter {upstream['jitter']:g}, \
+provider concurrency {upstream['max_concurrency']}. The bulk job is `python -m load.bulk` (`embed-bulk`) with \
+`--concurrency {settings['job_concurrency']} --batch-size {settings['job_batch_size']}`, writing `.npy`; its wall \
+time runs from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash.
+
+{jobs_table}
+
+The bulk job is {fmt(data['speedup'])}× faster than one request per document would be (projected). Its upstream \
+calls: {calls['value']:.2%} of documents (target ≤ {calls['needed']:.0%}): {verdict[calls['met']]}.
+
+A HIGH stream of single-text requests, Poisson at {settings['high_rate_per_s']:g}/s (alone for \
+{settings['baseline_s']:g} s; with a job, from its first upstream call to its exit):
+
+{stream_table}
+
+HIGH P99 during the job / alone: {fmt(ratio['value'], 2)}× (target ≤ {ratio['needed']:g}×): \
+{verdict[ratio['met']]}.
+"""
+
+
+def _stream_cells(summary: dict[str, Any], fmt: Any) -> list[Any]:
+    return [summary["submitted"], fmt(summary["p50_ms"]), fmt(summary["p99_ms"]),
+            summary["errors"] + summary["mismatches"] + summary["backlog"]]
