@@ -232,16 +232,30 @@ class AdaptiveBatcher(Generic[P, R]):
             self._dispatch(batch, reason, now)
 
     def _trigger(self, now: float) -> tuple[str | None, float]:
-        """Which trigger, if any, fires now; if none, when the earliest time-based one will."""
+        """Which trigger, if any, fires now; if none, when the earliest time-based one will.
+
+        Each priority lane is judged on its own (its depth, its oldest item, its cost), since a batch never mixes
+        them: a lone HIGH item waits ``wait_s(1)``, not the wait a deep LOW queue would earn.
+        """
         if self._closing:
             return "drain", now
+        earliest = math.inf
+        for priority in Priority:
+            if self._queue.depth(priority):
+                reason, wake_at = self._lane_trigger(priority, now)
+                if reason is not None:
+                    return reason, now
+                earliest = min(earliest, wake_at)
+        return None, earliest
+
+    def _lane_trigger(self, priority: Priority, now: float) -> tuple[str | None, float]:
         config, queue = self._config, self._queue
-        depth = len(queue)
+        depth = queue.depth(priority)
         if depth >= config.max_batch_size:
             return "size", now
-        if config.max_batch_cost is not None and queue.cost > config.max_batch_cost:
+        if config.max_batch_cost is not None and queue.cost(priority) > config.max_batch_cost:
             return "cost", now
-        reason, wake_at = "time", queue.oldest().enqueued_at + self._wait_policy.wait_s(depth)
+        reason, wake_at = "time", queue.head(priority).enqueued_at + self._wait_policy.wait_s(depth)
         if config.stall_factor is not None and self._mean_gap is not None and depth > 1:
             stall_at = self._last_arrival + max(_STALL_MIN_S, config.stall_factor * self._mean_gap)
             if stall_at < wake_at:

@@ -50,7 +50,7 @@ class PriorityQueue:
     def __init__(self) -> None:
         self._lanes: tuple[deque[Item], deque[Item]] = (deque(), deque())
         self._live = [0, 0]
-        self.cost = 0.0
+        self._cost = [0.0, 0.0]
 
     def __len__(self) -> int:
         return self._live[0] + self._live[1]
@@ -58,33 +58,30 @@ class PriorityQueue:
     def depth(self, priority: Priority) -> int:
         return self._live[priority]
 
+    def cost(self, priority: Priority) -> float:
+        return self._cost[priority]
+
     def push(self, item: Item) -> None:
         self._lanes[item.priority].append(item)
         self._live[item.priority] += 1
-        self.cost += item.cost
+        self._cost[item.priority] += item.cost
 
     def push_front(self, item: Item) -> None:
         """Put back an item that was dispatched before (a retry): it is older than what queued since."""
         self._lanes[item.priority].appendleft(item)
         self._live[item.priority] += 1
-        self.cost += item.cost
+        self._cost[item.priority] += item.cost
 
     def discard(self, item: Item) -> None:
         """Account for a queued item that left without being dispatched (cancelled, expired, closed)."""
         self._live[item.priority] -= 1
-        self.cost -= item.cost
+        self._cost[item.priority] -= item.cost
 
     def head(self, priority: Priority) -> Item | None:
         lane = self._lanes[priority]
         while lane and lane[0].state != QUEUED:
             lane.popleft()
         return lane[0] if lane else None
-
-    def oldest(self) -> Item | None:
-        high, low = self.head(Priority.HIGH), self.head(Priority.LOW)
-        if high is None or (low is not None and low.enqueued_at < high.enqueued_at):
-            return low
-        return high
 
     def has_urgent(self, aged_before: float) -> bool:
         """Is there a HIGH item, or a LOW one queued since before ``aged_before`` (which counts as HIGH)?"""
@@ -94,19 +91,22 @@ class PriorityQueue:
         return low is not None and low.enqueued_at <= aged_before
 
     def take(self, max_size: int, max_cost: float | None, aged_before: float, urgent_only: bool) -> list[Item]:
-        """Pop the next batch: HIGH and aged LOW items oldest first, then (unless ``urgent_only``) other LOW items.
+        """Pop the next batch: HIGH and aged LOW items oldest first, or, when there are none (and not
+        ``urgent_only``), other LOW items. A batch never mixes the two: an interactive item must not ride in a bulk
+        batch that takes longer to process.
 
         Stops at ``max_size`` items or before the item that would push the cost past ``max_cost``;
         an item that alone costs more than ``max_cost`` travels alone.
         """
         batch: list[Item] = []
         cost = 0.0
+        bulk = not urgent_only and not self.has_urgent(aged_before)
         while len(batch) < max_size:
             high, low = self.head(Priority.HIGH), self.head(Priority.LOW)
             low_aged = low is not None and low.enqueued_at <= aged_before
             if high is not None and not (low_aged and low.enqueued_at < high.enqueued_at):
                 item = high
-            elif low is not None and (low_aged or not urgent_only):
+            elif low is not None and (low_aged or bulk):
                 item = low
             else:
                 break
@@ -126,5 +126,5 @@ class PriorityQueue:
         for lane in self._lanes:
             lane.clear()
         self._live = [0, 0]
-        self.cost = 0.0
+        self._cost = [0.0, 0.0]
         return items

@@ -11,9 +11,11 @@ simulated upstream (its own process): ``adaptive`` (max_batch 200, max_wait 25 m
 3. the bulk job alone: ``python -m load.bulk`` (the ``embed-bulk`` a user runs, in its own process) over all the
    documents, ``X-Priority: low``, to ``adaptive``; wall time from launch to exit, upstream calls from the
    upstream's counters;
-4. the bulk job again with the same HIGH stream running from its first upstream call to its exit; with
-   ``--fifo-control`` also a fifth run where the job is sent at HIGH priority (one FIFO lane), to show what the
-   priority buys.
+4. the bulk job again with the same HIGH stream running from its first upstream call to its exit;
+5. (``throttled_rate``) the same with ``embed-bulk --max-rate``: a job that leaves the machine headroom;
+6. (``fifo_control``) the job sent at HIGH priority with the stream: one FIFO lane, what the priority buys;
+7. (``contention_control``) the job at LOW with the stream sent to a third copy of the application (its own
+   replica and batcher): what sharing the machine's two cores and the upstream costs HIGH by itself.
 
 Every vector is checked against its text's hash: the job's ``.npy`` row by row against its ids.
 Targets: the job's upstream calls ≤ 1% of documents; HIGH P99 during the job ≤ 1.5× without it.
@@ -33,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from load.bulk.settings import BulkSettings
 from load.loadgen import RunResult, check, closed_loop, count_mismatches, open_loop
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
@@ -54,12 +57,14 @@ class Settings:
     documents: int = 100_000
     unbatched_documents: int = 5_000
     unbatched_callers: int = 50
-    job_concurrency: int = 8  # embed-bulk's defaults
-    job_batch_size: int = 64
+    job_concurrency: int = BulkSettings.concurrency  # embed-bulk's defaults
+    job_batch_size: int = BulkSettings.batch_size
     high_rate_per_s: float = 20.0
-    baseline_s: float = 30.0
+    baseline_s: float = 60.0
     mean_chars: int = 120
-    fifo_control: bool = False
+    throttled_rate: float = 800.0  # documents/s for the polite run (embed-bulk --max-rate); 0 skips that run
+    fifo_control: bool = True
+    contention_control: bool = True
 
 
 QUICK = Settings(documents=400, unbatched_documents=40, unbatched_callers=8, high_rate_per_s=10.0, baseline_s=2.0)
@@ -70,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for setting in fields(Settings):
         flag = f"--{setting.name.replace('_', '-')}"
         if setting.type == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=f"(default {setting.default})")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"(default {setting.default})")
         else:
             kind = int if setting.type == "int" else float
             parser.add_argument(flag, type=kind, help=f"(default {setting.default}; --quick {getattr(QUICK, setting.name)})")
@@ -89,6 +94,8 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
     base_url = f"{root_url}/v1"
     apps = {"adaptive": build_app({"models": [model_entry(base_url)]}),
             "unbatched": build_app({"models": [model_entry(base_url, **UNBATCHED)]})}
+    if settings.contention_control:
+        apps["interactive"] = build_app({"models": [model_entry(base_url)]})
     documents = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
     stream_texts = pseudo_sentences(int(settings.high_rate_per_s * 1800), settings.mean_chars, seed=1)
     with deployed(proxy, apps, MODEL) as targets, tempfile.TemporaryDirectory(prefix="bench-bulk-") as work:
@@ -114,9 +121,17 @@ async def _all_runs(urls: dict[str, str], root_url: str, documents: Sequence[str
             "job_with_high": await bulk_job(urls["adaptive"], upstream, documents, input_path, settings, dim,
                                             stream_texts=stream_texts),
         }
+        if settings.throttled_rate:
+            runs["job_throttled_with_high"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
+                                                             settings, dim, stream_texts=stream_texts,
+                                                             max_rate=settings.throttled_rate)
         if settings.fifo_control:
             runs["job_at_high_with_high"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
                                                            settings, dim, stream_texts=stream_texts, priority="high")
+        if settings.contention_control:
+            runs["job_with_high_elsewhere"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
+                                                             settings, dim, stream_texts=stream_texts,
+                                                             stream_url=urls["interactive"])
     return runs
 
 
@@ -160,15 +175,18 @@ async def high_stream(url: str, texts: Sequence[str], settings: Settings, dim: i
 
 async def bulk_job(url: str, upstream: UpstreamClient, documents: Sequence[str], input_path: Path,
                    settings: Settings, dim: int, *, stream_texts: Sequence[str] | None = None,
-                   priority: str = "low") -> dict[str, Any]:
-    """``python -m load.bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream runs
-    from the job's first upstream call until it exits."""
+                   stream_url: str | None = None, priority: str = "low",
+                   max_rate: float | None = None) -> dict[str, Any]:
+    """``python -m load.bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream (to
+    ``stream_url``, by default the job's own ``url``) runs from the job's first upstream call until it exits."""
     await upstream.wait_idle()
     output_path = input_path.with_name(f"vectors-{time.monotonic_ns()}.npy")
     before = (await upstream.stats())["calls"]
     command = [sys.executable, "-m", "load.bulk", str(input_path), str(output_path), "--base-url", f"{url}/v1",
                "--model", MODEL, "--priority", priority, "--concurrency", str(settings.job_concurrency),
                "--batch-size", str(settings.job_batch_size), "--progress", "never"]
+    if max_rate is not None:
+        command += ["--max-rate", str(max_rate)]
     started = time.perf_counter()
     process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                    stderr=asyncio.subprocess.PIPE)
@@ -179,14 +197,14 @@ async def bulk_job(url: str, upstream: UpstreamClient, documents: Sequence[str],
         finished.add_done_callback(lambda _: stop.set())
         while not finished.done() and (await upstream.stats())["calls"] == before:
             await asyncio.sleep(0.02)
-        stream = await high_stream(url, stream_texts, settings, dim, stop)
+        stream = await high_stream(stream_url or url, stream_texts, settings, dim, stop)
     _, stderr = await finished
     wall_s = time.perf_counter() - started
     calls = (await upstream.stats())["calls"] - before
     report = stderr.decode("utf-8", "replace").strip()
     if process.returncode != 0:
         raise RuntimeError(f"embed-bulk exited with {process.returncode}:\n{report[-3000:]}")
-    job = {"documents": len(documents), "priority": priority, "wall_s": wall_s,
+    job = {"documents": len(documents), "priority": priority, "max_rate": max_rate, "wall_s": wall_s,
            "documents_per_s": len(documents) / wall_s, "upstream_calls": calls,
            "upstream_calls_include_stream": stream is not None, "embed_bulk_report": report.splitlines(),
            **check_output(output_path, documents, dim)}
@@ -244,9 +262,13 @@ def render(data: dict[str, Any]) -> str:
         ["one request per document, projected from that rate", projected["documents"], fmt(projected["wall_s"]),
          fmt(unbatched["items_per_s"]), f"{projected['upstream_calls']} (1 a document)", "—"],
     ]
-    stream_rows = [["none (the stream alone)", *_stream_cells(runs["high_alone"], fmt)]]
+    alone_p99 = runs["high_alone"]["p99_ms"]
+    stream_rows = [["none (the stream alone)", *_stream_cells(runs["high_alone"], alone_p99, fmt)]]
     for key, label in (("job_alone", "embed-bulk, LOW, alone"), ("job_with_high", "embed-bulk, LOW, + HIGH stream"),
-                       ("job_at_high_with_high", "embed-bulk sent at HIGH (one FIFO lane), + HIGH stream")):
+                       ("job_throttled_with_high", "embed-bulk, LOW, --max-rate "
+                                                   f"{settings['throttled_rate']:g}, + HIGH stream"),
+                       ("job_at_high_with_high", "embed-bulk sent at HIGH (one FIFO lane), + HIGH stream"),
+                       ("job_with_high_elsewhere", "embed-bulk, LOW, + HIGH stream to another copy of the service")):
         if key not in runs:
             continue
         job = runs[key]
@@ -255,13 +277,14 @@ def render(data: dict[str, Any]) -> str:
                          else f"{job['upstream_calls']} (incl. the stream's)",
                          job["mismatches"] + job["misplaced_ids"] + (job["documents"] - job["rows"])])
         if "high_stream" in job:
-            stream_rows.append([label, *_stream_cells(job["high_stream"], fmt)])
+            stream_rows.append([label, *_stream_cells(job["high_stream"], alone_p99, fmt)])
     targets = data["targets"]
     calls, ratio = targets["calls_per_document"], targets["high_p99_ratio"]
     verdict = {True: "met", False: "**not met**"}
     jobs_table = markdown_table(["run", "documents", "wall s", "documents/s", "upstream calls", "wrong rows"],
                                 job_rows)
-    stream_table = markdown_table(["bulk job running", "HIGH requests", "P50 ms", "P99 ms", "errors"], stream_rows)
+    stream_table = markdown_table(["bulk job running", "HIGH requests", "P50 ms", "P99 ms", "P99 / alone", "errors"],
+                                  stream_rows)
     return f"""\
 {settings['documents']:,} generated documents (~{settings['mean_chars']} characters). Upstream in its own process: \
 base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, jitter {upstream['jitter']:g}, \
@@ -284,6 +307,8 @@ HIGH P99 during the job / alone: {fmt(ratio['value'], 2)}× (target ≤ {ratio['
 """
 
 
-def _stream_cells(summary: dict[str, Any], fmt: Any) -> list[Any]:
-    return [summary["submitted"], fmt(summary["p50_ms"]), fmt(summary["p99_ms"]),
+def _stream_cells(summary: dict[str, Any], alone_p99: float | None, fmt: Any) -> list[Any]:
+    p99 = summary["p99_ms"]
+    ratio = p99 / alone_p99 if p99 and alone_p99 else None
+    return [summary["submitted"], fmt(summary["p50_ms"]), fmt(p99), fmt(ratio, 2),
             summary["errors"] + summary["mismatches"] + summary["backlog"]]

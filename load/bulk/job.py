@@ -122,10 +122,11 @@ class BulkJob:
         client = EmbeddingsClient(self.settings, http, sleep=self._sleep)
         self.summary.calls = client.counters
         batches = pending_batches(self._documents(), done, self.settings.batch_size)
+        pacer = Pacer(self.settings.max_rate, self._sleep)
         try:
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self.settings.concurrency):
-                    workers.create_task(_work(batches, client, recorder))
+                    workers.create_task(_work(batches, pacer, client, recorder))
         except ExceptionGroup as group:
             raise group.exceptions[0] from None
 
@@ -174,10 +175,31 @@ def pending_batches(documents: Iterator[Document], done: set[DocId], size: int) 
         yield batch
 
 
-async def _work(batches: Iterator[list[Document]], client: EmbeddingsClient, recorder: Recorder) -> None:
+class Pacer:
+    """Spaces the batches the workers send so that at most `rate_per_s` documents a second go out (None: no limit).
+    A nightly job that shares the service with interactive users sets it to leave them the machine's headroom."""
+
+    def __init__(self, rate_per_s: float | None, sleep: Sleep) -> None:
+        self._rate_per_s = rate_per_s
+        self._sleep = sleep
+        self._next_at: float | None = None
+
+    async def wait_turn(self, documents: int) -> None:
+        if self._rate_per_s is None:
+            return
+        now = asyncio.get_running_loop().time()
+        turn = now if self._next_at is None else max(now, self._next_at)
+        self._next_at = turn + documents / self._rate_per_s
+        if turn > now:
+            await self._sleep(turn - now)
+
+
+async def _work(batches: Iterator[list[Document]], pacer: Pacer, client: EmbeddingsClient, recorder: Recorder) -> None:
     """One of `concurrency` workers sharing the batch iterator: embed a batch, save it, take the next."""
     for batch in batches:
         sendable = [document for document in batch if document.problem is None]
+        if sendable:
+            await pacer.wait_turn(len(sendable))
         outcome = await client.embed(sendable) if sendable else BatchOutcome()
         outcome.failed.extend(Failure(doc.id, doc.problem) for doc in batch if doc.problem is not None)
         recorder.record(outcome)

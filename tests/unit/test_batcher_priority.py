@@ -1,4 +1,5 @@
-"""HIGH never waits behind LOW; LOW-only batches never take the last slot; LOW ages so it is never starved."""
+"""HIGH never waits behind LOW nor rides with it; LOW-only batches never take the last slot; LOW ages so it is never
+starved."""
 
 import asyncio
 
@@ -27,7 +28,19 @@ async def test_high_items_leave_before_low_items_queued_earlier():
     low = [asyncio.ensure_future(batcher.submit(f"low{i}", priority=LOW)) for i in range(4)]
     high = [asyncio.ensure_future(batcher.submit(f"high{i}")) for i in range(2)]
     await asyncio.gather(busy, *low, *high)
-    assert process.calls[1] == ["high0", "high1", "low0"]
+    assert process.calls[1:] == [["high0", "high1"], ["low0", "low1", "low2"], ["low3"]]
+
+
+async def test_a_batch_never_mixes_high_items_with_low_filler():
+    process = FakeProcess(delay_s=0.5)
+    config = BatcherConfig(max_batch_size=10, max_concurrent_batches=4, max_wait_ms=10, low_aging_s=10,
+                           stall_factor=None)
+    batcher = AdaptiveBatcher(process, config)
+    low = [asyncio.ensure_future(batcher.submit(i, priority=LOW)) for i in range(5)]
+    high = asyncio.ensure_future(batcher.submit("high"))
+    await asyncio.gather(high, *low)
+    assert process.calls == [["high"], [0, 1, 2, 3, 4]]  # both leave at once, in two calls, slots to spare
+    assert process.max_in_flight == 2
 
 
 async def test_low_only_batch_never_takes_the_last_free_slot():
@@ -96,3 +109,19 @@ async def test_an_aged_low_item_goes_ahead_of_younger_high_items():
     high = [asyncio.ensure_future(batcher.submit(f"h{i}")) for i in range(2)]
     await asyncio.gather(busy, low, *high)
     assert process.calls[1] == ["old-low", "h0"]
+
+
+async def test_a_lone_high_item_waits_for_its_own_depth_not_for_the_low_queue():
+    process = FakeProcess(delay_s=0.5)
+    config = BatcherConfig(max_batch_size=100, max_concurrent_batches=4, max_wait_ms=100, scale_factor=10,
+                           low_aging_s=10, stall_factor=None)
+    batcher = AdaptiveBatcher(process, config)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    low = [asyncio.ensure_future(batcher.submit(i, priority=LOW)) for i in range(90)]
+    await batcher.submit("high")
+    lone_wait_s = 0.1 * (1 - 1 / (1 + 1 / 10))
+    assert process.started_at[0] - start == pytest.approx(lone_wait_s, abs=2e-6)  # not wait_s(91) ≈ 90 ms
+    assert process.calls[0] == ["high"]
+    await asyncio.gather(*low)
+    assert process.started_at[1] - start == pytest.approx(0.1 * (1 - 1 / (1 + 90 / 10)), abs=2e-6)

@@ -503,3 +503,23 @@ def _http_date(timestamp: float) -> str:
     from email.utils import formatdate
 
     return formatdate(timestamp, usegmt=True)
+
+
+@pytest.mark.looptime
+async def test_max_rate_spaces_the_batches_sent(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(20))
+    api, sent_at = FakeEmbeddingsAPI(), []
+    loop = asyncio.get_running_loop()
+
+    async def timed(request: httpx.Request) -> httpx.Response:
+        sent_at.append(loop.time())
+        status, payload, headers = await api.respond(json.loads(request.content), dict(request.headers))
+        return httpx.Response(status, json=payload, headers=headers)
+
+    start = loop.time()
+    job = BulkJob(settings(tmp_path, max_rate=10.0), transport=httpx.MockTransport(timed), sleep=asyncio.sleep,
+                  stderr=io.StringIO())
+    summary = await job.run()
+
+    assert summary.exit_code == 0 and summary.embedded == 20
+    assert [round(at - start, 6) for at in sent_at] == [0.0, 0.5, 1.0, 1.5]  # 4 workers, batches of 5, 10 docs/s
