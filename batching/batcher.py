@@ -257,7 +257,11 @@ class AdaptiveBatcher(Generic[P, R]):
             return "cost", now
         reason, wake_at = "time", queue.head(priority).enqueued_at + self._wait_policy.wait_s(depth)
         if config.stall_factor is not None and self._mean_gap is not None and depth > 1:
-            stall_at = self._last_arrival + max(_STALL_MIN_S, config.stall_factor * self._mean_gap)
+            # Steady (Poisson) arrivals leave a gap over k mean gaps with probability e^-k; adding ln(depth) keeps the
+            # chance that one of the `depth` gaps of a filling batch passes for a stall near e^-stall_factor. A pool
+            # of callers that has all submitted goes quiet for good, and the trigger still ends that wait.
+            window = (config.stall_factor + math.log(depth)) * self._mean_gap
+            stall_at = self._last_arrival + max(_STALL_MIN_S, window)
             if stall_at < wake_at:
                 reason, wake_at = "stall", stall_at
         return (reason if now >= wake_at - _EPS else None), wake_at

@@ -1,6 +1,7 @@
 """When batches leave: size, cost, time (re-evaluated as depth changes), stall; the concurrency cap."""
 
 import asyncio
+import math
 
 import pytest
 
@@ -166,7 +167,8 @@ async def test_stall_window_learns_from_arrivals_that_join_a_queue_not_from_idle
             await asyncio.sleep(0.0001)
         await asyncio.gather(*tasks)
         last_arrival = burst_start + 19 * 0.0001
-        assert process.started_at[-1] - last_arrival == pytest.approx(0.0005, abs=5e-6)  # 4 x 0.1 ms, floored
+        # (4 + ln 20) x the 0.1 ms gap; the idle second between bursts is not learnt
+        assert process.started_at[-1] - last_arrival == pytest.approx((4 + math.log(20)) * 0.0001, abs=5e-6)
         await asyncio.sleep(1.0)
     assert batcher.stats().flushes == {"stall": 3}
 
@@ -178,3 +180,16 @@ async def test_stall_trigger_never_cuts_a_lone_items_wait():
     start = now()
     await batcher.submit("lone")
     assert process.started_at[-1] - start == pytest.approx(WAIT.wait_s(1), abs=2e-6)
+
+
+async def test_stall_window_widens_with_depth_so_steady_traffic_does_not_cut_a_filling_batch():
+    process = FakeProcess()
+    config = BatcherConfig(max_batch_size=100, max_wait_ms=25, scale_factor=10, stall_factor=4)
+    batcher = AdaptiveBatcher(process, config)
+    tasks = []
+    for i in range(50):  # 0.1 ms apart, but one gap of 0.6 ms: 6 mean gaps, which steady traffic shows now and then
+        tasks.append(asyncio.ensure_future(batcher.submit(i)))
+        await asyncio.sleep(0.0006 if i == 39 else 0.0001)
+    await asyncio.gather(*tasks)
+    assert process.calls == [list(range(50))]  # 4 mean gaps alone would have cut it at item 40
+    assert batcher.stats().flushes == {"stall": 1}
