@@ -38,7 +38,7 @@ TARGET_FIXED_WORSE = 2.0  # every fixed strategy at least 2x adaptive's P99 at s
 @dataclass(frozen=True)
 class Settings:
     rates: tuple[float, ...] = (10, 50, 100, 200, 400, 800, 1600, 3200, 4800)
-    max_items: int = 2000
+    max_items: int = 8000  # at high rates a run must last seconds, or saturation never shows
     max_seconds: float = 4.0
     drain_seconds: float = 3.0
     repeats: int = REPEATS
