@@ -29,8 +29,8 @@ class BulkSettings:
     model: str = "all-MiniLM-L6-v2"
     api_key: str | None = None
     priority: str = "low"
-    concurrency: int = 2  # few large requests: the service's per-request cost is what competes with interactive
-    batch_size: int = 256  # traffic (load/results/bulk.md: 2 x 256 beat 8 x 64 on both speed and HIGH latency)
+    concurrency: int = 2  # few large requests: as fast as 8 x 64 in the bulk benchmark with a quarter of the
+    batch_size: int = 256  # requests, each of which costs the service CPU that interactive traffic needs
     max_rate: float | None = None  # documents a second at most
     max_retries: int = 5
     timeout_s: float = 120.0
