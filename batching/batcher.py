@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 # A timer may run a hair before its time (asyncio runs handles due within the clock's resolution).
 _EPS = 1e-6
-# The stall trigger's window is stall_factor x the mean gap between arrivals that join a non-empty queue (the pace
-# at which a batch fills; the idle time before a batch's first item would stretch it), and at least this long (s).
+# The stall trigger's window is (stall_factor + ln depth) x the mean gap between arrivals that join a non-empty queue
+# (the pace at which a batch fills; the idle time before a batch's first item would stretch it), and at least this
+# long (s).
 _STALL_MIN_S = 0.0005
 _GAP_EWMA = 1 / 16
 _LATENCY_EWMA = 1 / 8
@@ -224,11 +225,10 @@ class AdaptiveBatcher(Generic[P, R]):
                 return
             aged_before = now - config.low_aging_s + _EPS
             last_slot = config.max_concurrent_batches > 1 and self._in_flight == config.max_concurrent_batches - 1
-            urgent_only = last_slot and not self._closing
-            if urgent_only and not queue.has_urgent(aged_before):
+            if last_slot and not self._closing and not queue.has_urgent(aged_before):
                 self._arm_timer(queue.head(Priority.LOW).enqueued_at + config.low_aging_s)
                 return
-            batch = queue.take(config.max_batch_size, config.max_batch_cost, aged_before, urgent_only)
+            batch = queue.take(config.max_batch_size, config.max_batch_cost, aged_before)
             self._dispatch(batch, reason, now)
 
     def _trigger(self, now: float) -> tuple[str | None, float]:

@@ -90,17 +90,16 @@ class PriorityQueue:
         low = self.head(Priority.LOW)
         return low is not None and low.enqueued_at <= aged_before
 
-    def take(self, max_size: int, max_cost: float | None, aged_before: float, urgent_only: bool) -> list[Item]:
-        """Pop the next batch: HIGH and aged LOW items oldest first, or, when there are none (and not
-        ``urgent_only``), other LOW items. A batch never mixes the two: an interactive item must not ride in a bulk
-        batch that takes longer to process.
+    def take(self, max_size: int, max_cost: float | None, aged_before: float) -> list[Item]:
+        """Pop the next batch: HIGH and aged LOW items oldest first, or, when there are none, other LOW items.
+        A batch never mixes the two: an interactive item must not ride in a bulk batch that takes longer to process.
 
         Stops at ``max_size`` items or before the item that would push the cost past ``max_cost``;
         an item that alone costs more than ``max_cost`` travels alone.
         """
         batch: list[Item] = []
         cost = 0.0
-        bulk = not urgent_only and not self.has_urgent(aged_before)
+        bulk = not self.has_urgent(aged_before)
         while len(batch) < max_size:
             high, low = self.head(Priority.HIGH), self.head(Priority.LOW)
             low_aged = low is not None and low.enqueued_at <= aged_before

@@ -63,6 +63,10 @@ class UpstreamClient:
         data = sorted(json.loads(raw)["data"], key=lambda entry: entry["index"])
         return [np.frombuffer(base64.b64decode(entry["embedding"]), dtype="<f4") for entry in data]
 
+    async def embed_one(self, text: str) -> np.ndarray:
+        """One text in one call: what a load generator's single-text caller sends."""
+        return (await self.embed([text]))[0]
+
     async def stats(self) -> dict[str, Any]:
         return await self._json("GET", "/stats")
 

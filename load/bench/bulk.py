@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import tempfile
@@ -114,25 +115,20 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
 async def _all_runs(urls: dict[str, str], root_url: str, documents: Sequence[str], stream_texts: Sequence[str],
                     input_path: Path, settings: Settings, dim: int) -> dict[str, Any]:
     async with UpstreamClient(root_url) as upstream:
+        job = functools.partial(bulk_job, urls["adaptive"], upstream, documents, input_path, settings, dim)
         runs: dict[str, Any] = {
             "one_request_per_document": await one_request_per_document(
                 urls["unbatched"], upstream, documents[: settings.unbatched_documents], settings, dim),
             "high_alone": (await high_stream(urls["adaptive"], stream_texts, settings, dim)).summary(),
-            "job_alone": await bulk_job(urls["adaptive"], upstream, documents, input_path, settings, dim),
-            "job_with_high": await bulk_job(urls["adaptive"], upstream, documents, input_path, settings, dim,
-                                            stream_texts=stream_texts),
+            "job_alone": await job(),
+            "job_with_high": await job(stream_texts=stream_texts),
         }
         if settings.throttled_rate:
-            runs["job_throttled_with_high"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
-                                                             settings, dim, stream_texts=stream_texts,
-                                                             max_rate=settings.throttled_rate)
+            runs["job_throttled_with_high"] = await job(stream_texts=stream_texts, max_rate=settings.throttled_rate)
         if settings.fifo_control:
-            runs["job_at_high_with_high"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
-                                                           settings, dim, stream_texts=stream_texts, priority="high")
+            runs["job_at_high_with_high"] = await job(stream_texts=stream_texts, priority="high")
         if settings.contention_control:
-            runs["job_with_high_elsewhere"] = await bulk_job(urls["adaptive"], upstream, documents, input_path,
-                                                             settings, dim, stream_texts=stream_texts,
-                                                             stream_url=urls["interactive"])
+            runs["job_with_high_elsewhere"] = await job(stream_texts=stream_texts, stream_url=urls["interactive"])
     return runs
 
 
@@ -152,10 +148,7 @@ async def one_request_per_document(url: str, upstream: UpstreamClient, documents
     await upstream.wait_idle()
     before = (await upstream.stats())["calls"]
     async with UpstreamClient(url, model=MODEL) as client:
-        async def embed_one(text: str) -> Any:
-            return (await client.embed([text]))[0]
-
-        result = check(await closed_loop(embed_one, documents, settings.unbatched_callers), documents, dim)
+        result = check(await closed_loop(client.embed_one, documents, settings.unbatched_callers), documents, dim)
     calls = (await upstream.stats())["calls"] - before
     return {**result.summary(), "documents": len(documents), "upstream_calls": calls}
 
@@ -167,10 +160,7 @@ async def high_stream(url: str, texts: Sequence[str], settings: Settings, dim: i
     offsets = poisson_arrivals(settings.high_rate_per_s, len(texts), duration_s, seed=2)
     texts = texts[: len(offsets)]
     async with UpstreamClient(url, model=MODEL, priority="high") as client:
-        async def embed_one(text: str) -> Any:
-            return (await client.embed([text]))[0]
-
-        result = await open_loop(embed_one, texts, offsets, duration_s + 60.0, stop=stop)
+        result = await open_loop(client.embed_one, texts, offsets, duration_s + 60.0, stop=stop)
     return check(result, texts, dim)
 
 

@@ -135,10 +135,7 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
 async def upstream_alone(root_url: str, texts: Sequence[str], dim: int) -> dict[str, Any]:
     """One text per call straight to the upstream, one caller: its own latency as this client sees it."""
     async with UpstreamClient(root_url, model=MODEL) as client:
-        async def embed_one(text: str) -> Any:
-            return (await client.embed([text]))[0]
-
-        return check(await closed_loop(embed_one, texts, 1), texts, dim).summary()
+        return check(await closed_loop(client.embed_one, texts, 1), texts, dim).summary()
 
 
 def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:

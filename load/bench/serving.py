@@ -112,11 +112,8 @@ async def compare_over_http(
                 for target in rotated(list(targets), repeat + concurrency):
                     client = clients[target.label]
 
-                    async def embed_one(text: str, client: UpstreamClient = client) -> Any:
-                        return (await client.embed([text]))[0]
-
                     before = await _batch_totals(target.model_handle)
-                    result = await closed_loop(embed_one, texts[:count], concurrency)
+                    result = await closed_loop(client.embed_one, texts[:count], concurrency)
                     after = await _batch_totals(target.model_handle)
                     if check_dim is not None:
                         check(result, texts[:count], check_dim)
