@@ -31,7 +31,7 @@ class BatcherConfig:
     batch_timeout_s: float | None = None
     max_retries: int = 1
     dedupe: bool = True
-    low_aging_s: float = 1.0
+    low_share: float = 0.1  # while HIGH keeps every slot busy, LOW still gets this fraction of the items sent
     stall_factor: float | None = 4.0  # the load sweep in load/ chose it (README: "Choosing the default")
 
     def __post_init__(self) -> None:
@@ -46,7 +46,7 @@ class BatcherConfig:
                 (self.max_queue_depth < 1, "max_queue_depth must be >= 1"),
                 (self.batch_timeout_s is not None and self.batch_timeout_s <= 0, "batch_timeout_s must be > 0 or None"),
                 (self.max_retries < 0, "max_retries must be >= 0"),
-                (self.low_aging_s < 0, "low_aging_s must be >= 0"),
+                (not 0 <= self.low_share < 1, "low_share must be >= 0 and < 1"),
                 (self.stall_factor is not None and self.stall_factor <= 0, "stall_factor must be > 0 or None"),
             )
             if failed

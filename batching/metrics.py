@@ -38,11 +38,11 @@ class BatcherMetrics:
     def batch_completed(self, batcher: str, latency_s: float) -> None:
         """One call of the process function returned or failed after ``latency_s``."""
 
-    def item_rejected(self, batcher: str, reason: str) -> None:
-        """An item ended without a result: ``overload``, ``deadline`` or ``cancelled``."""
+    def item_rejected(self, batcher: str, reason: str, count: int) -> None:
+        """``count`` items ended without a result: ``overload``, ``deadline`` or ``cancelled``."""
 
-    def item_retried(self, batcher: str) -> None:
-        """A failed item was queued again."""
+    def item_retried(self, batcher: str, count: int) -> None:
+        """``count`` failed items were queued again."""
 
     def batch_split(self, batcher: str) -> None:
         """A failed batch was split in halves."""

@@ -43,11 +43,11 @@ class PrometheusMetrics(BatcherMetrics):
     def batch_completed(self, batcher: str, latency_s: float) -> None:
         self._latency.labels(batcher).observe(latency_s * 1000.0)
 
-    def item_rejected(self, batcher: str, reason: str) -> None:
-        self._rejected.labels(batcher, reason).inc()
+    def item_rejected(self, batcher: str, reason: str, count: int) -> None:
+        self._rejected.labels(batcher, reason).inc(count)
 
-    def item_retried(self, batcher: str) -> None:
-        self._retries.labels(batcher).inc()
+    def item_retried(self, batcher: str, count: int) -> None:
+        self._retries.labels(batcher).inc(count)
 
     def batch_split(self, batcher: str) -> None:
         self._splits.labels(batcher).inc()

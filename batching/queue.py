@@ -1,118 +1,117 @@
-"""The queue of items waiting for a batch: one lane per priority, oldest first."""
+"""Items waiting for a batch: one lane per priority, each in order of first arrival."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 from collections import deque
+from enum import Enum
 from typing import Any
 
 from .config import Priority
 
-QUEUED, DELAYED, IN_FLIGHT, DONE = range(4)
+# The stall trigger learns a lane's pace from the gaps between arrivals that join it while it is not empty (the pace
+# at which a batch fills; the idle time before a batch's first item would stretch it).
+_GAP_EWMA = 1 / 16
+
+
+class ItemState(Enum):
+    QUEUED = "queued"
+    DELAYED = "delayed"  # failed, waiting out a Retry-After before it queues again
+    IN_FLIGHT = "in flight"
+    DONE = "done"
 
 
 class Item:
     """One submitted payload and the future its caller awaits."""
 
-    __slots__ = ("payload", "future", "priority", "enqueued_at", "cost", "deadline", "timers", "state", "attempts")
+    __slots__ = ("seq", "payload", "future", "priority", "enqueued_at", "cost", "deadline", "state", "attempts")
 
     def __init__(
-        self, payload: Any, future: asyncio.Future, priority: Priority, enqueued_at: float, cost: float,
+        self, seq: int, payload: Any, future: asyncio.Future, priority: Priority, enqueued_at: float, cost: float,
         deadline: float | None,
     ) -> None:
+        self.seq = seq  # arrival order, which a retried item keeps
         self.payload = payload
         self.future = future
         self.priority = priority
         self.enqueued_at = enqueued_at
         self.cost = cost
         self.deadline = deadline
-        self.timers: list[asyncio.TimerHandle] | None = None
-        self.state = QUEUED
+        self.state = ItemState.QUEUED
         self.attempts = 0
 
-    def add_timer(self, timer: asyncio.TimerHandle) -> None:
-        if self.timers is None:
-            self.timers = [timer]
+    @property
+    def waiting(self) -> bool:
+        """Queued or delayed: it has not been sent, and is not being sent now."""
+        return self.state is ItemState.QUEUED or self.state is ItemState.DELAYED
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
+        """Give the caller its outcome; False if it already has one."""
+        self.state = ItemState.DONE
+        if self.future.done():
+            return False
+        if error is None:
+            self.future.set_result(result)
         else:
-            self.timers.append(timer)
-
-    def finish(self) -> None:
-        self.state = DONE
-        if self.timers is not None:
-            for timer in self.timers:
-                timer.cancel()
-            self.timers = None
+            self.future.set_exception(error)
+        return True
 
 
-class PriorityQueue:
-    """Two FIFO lanes. Items leave from the front; a removed item stays in its lane, marked, until it reaches the front."""
+class Lane:
+    """One priority's items, oldest first. A removed item stays in the deque, marked, until it reaches the front."""
 
-    def __init__(self) -> None:
-        self._lanes: tuple[deque[Item], deque[Item]] = (deque(), deque())
-        self._live = [0, 0]
-        self._cost = [0.0, 0.0]
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
+        self.depth = 0
+        self.cost = 0.0
+        self.last_arrival = -math.inf
+        self.mean_gap: float | None = None
+        self._items: deque[Item] = deque()
 
-    def __len__(self) -> int:
-        return self._live[0] + self._live[1]
+    def push(self, item: Item, max_gap_s: float) -> None:
+        """A new arrival: it is the youngest item. Gaps count up to ``max_gap_s`` toward the lane's pace."""
+        now = item.enqueued_at
+        if self.depth:
+            gap = min(now - self.last_arrival, max_gap_s)
+            self.mean_gap = gap if self.mean_gap is None else self.mean_gap + (gap - self.mean_gap) * _GAP_EWMA
+        self.last_arrival = now
+        self._add(item)
+        self._items.append(item)
 
-    def depth(self, priority: Priority) -> int:
-        return self._live[priority]
-
-    def cost(self, priority: Priority) -> float:
-        return self._cost[priority]
-
-    def push(self, item: Item) -> None:
-        self._lanes[item.priority].append(item)
-        self._live[item.priority] += 1
-        self._cost[item.priority] += item.cost
-
-    def push_front(self, item: Item) -> None:
-        """Put back an item that was dispatched before (a retry): it is older than what queued since."""
-        self._lanes[item.priority].appendleft(item)
-        self._live[item.priority] += 1
-        self._cost[item.priority] += item.cost
+    def put_back(self, item: Item) -> None:
+        """An item queued again (a retry) takes the place its first arrival gave it, so the head stays the oldest."""
+        self._add(item)
+        items = self._items
+        if not items or items[-1].seq < item.seq:
+            items.append(item)
+        else:
+            items.insert(bisect.bisect_left(items, item.seq, key=_arrival), item)
 
     def discard(self, item: Item) -> None:
-        """Account for a queued item that left without being dispatched (cancelled, expired, closed)."""
-        self._live[item.priority] -= 1
-        self._cost[item.priority] -= item.cost
+        """Account for a queued item that left without being dispatched (cancelled, expired)."""
+        self.depth -= 1
+        self.cost -= item.cost
 
-    def head(self, priority: Priority) -> Item | None:
-        lane = self._lanes[priority]
-        while lane and lane[0].state != QUEUED:
-            lane.popleft()
-        return lane[0] if lane else None
+    def head(self) -> Item | None:
+        items = self._items
+        while items and items[0].state is not ItemState.QUEUED:
+            items.popleft()
+        return items[0] if items else None
 
-    def has_urgent(self, aged_before: float) -> bool:
-        """Is there a HIGH item, or a LOW one queued since before ``aged_before`` (which counts as HIGH)?"""
-        if self._live[Priority.HIGH]:
-            return True
-        low = self.head(Priority.LOW)
-        return low is not None and low.enqueued_at <= aged_before
-
-    def take(self, max_size: int, max_cost: float | None, aged_before: float) -> list[Item]:
-        """Pop the next batch: HIGH and aged LOW items oldest first, or, when there are none, other LOW items.
-        A batch never mixes the two: an interactive item must not ride in a bulk batch that takes longer to process.
-
-        Stops at ``max_size`` items or before the item that would push the cost past ``max_cost``;
-        an item that alone costs more than ``max_cost`` travels alone.
-        """
+    def take(self, max_size: int, max_cost: float | None) -> list[Item]:
+        """Pop up to ``max_size`` items, stopping before the one that would push the cost past ``max_cost``
+        (an item that alone costs more travels alone)."""
         batch: list[Item] = []
         cost = 0.0
-        bulk = not self.has_urgent(aged_before)
         while len(batch) < max_size:
-            high, low = self.head(Priority.HIGH), self.head(Priority.LOW)
-            low_aged = low is not None and low.enqueued_at <= aged_before
-            if high is not None and not (low_aged and low.enqueued_at < high.enqueued_at):
-                item = high
-            elif low is not None and (low_aged or bulk):
-                item = low
-            else:
+            item = self.head()
+            if item is None or (max_cost is not None and batch and cost + item.cost > max_cost):
                 break
-            if max_cost is not None and batch and cost + item.cost > max_cost:
-                break
-            self._lanes[item.priority].popleft()
+            self._items.popleft()
             self.discard(item)
+            item.state = ItemState.IN_FLIGHT
             cost += item.cost
             batch.append(item)
             if max_cost is not None and cost >= max_cost:
@@ -121,9 +120,35 @@ class PriorityQueue:
 
     def drain(self) -> list[Item]:
         """Pop every queued item."""
-        items = [item for lane in self._lanes for item in lane if item.state == QUEUED]
-        for lane in self._lanes:
-            lane.clear()
-        self._live = [0, 0]
-        self._cost = [0.0, 0.0]
+        items = [item for item in self._items if item.state is ItemState.QUEUED]
+        self._items.clear()
+        self.depth, self.cost = 0, 0.0
         return items
+
+    def _add(self, item: Item) -> None:
+        item.state = ItemState.QUEUED
+        self.depth += 1
+        self.cost += item.cost
+
+
+def _arrival(item: Item) -> int:
+    return item.seq
+
+
+class Lanes:
+    """The two lanes, indexed by priority."""
+
+    def __init__(self) -> None:
+        self._lanes = (Lane(Priority.HIGH), Lane(Priority.LOW))
+
+    def __getitem__(self, priority: Priority) -> Lane:
+        return self._lanes[priority]
+
+    def __iter__(self):
+        return iter(self._lanes)
+
+    def __len__(self) -> int:
+        return self._lanes[0].depth + self._lanes[1].depth
+
+    def drain(self) -> list[Item]:
+        return [item for lane in self._lanes for item in lane.drain()]

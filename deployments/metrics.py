@@ -54,11 +54,11 @@ class RayServeMetrics(BatcherMetrics):
     def batch_completed(self, batcher: str, latency_s: float) -> None:
         self._latency.observe(latency_s * 1000.0, tags={"batcher": batcher})
 
-    def item_rejected(self, batcher: str, reason: str) -> None:
-        self._rejected.inc(tags={"batcher": batcher, "reason": reason})
+    def item_rejected(self, batcher: str, reason: str, count: int) -> None:
+        self._rejected.inc(count, tags={"batcher": batcher, "reason": reason})
 
-    def item_retried(self, batcher: str) -> None:
-        self._retries.inc(tags={"batcher": batcher})
+    def item_retried(self, batcher: str, count: int) -> None:
+        self._retries.inc(count, tags={"batcher": batcher})
 
     def batch_split(self, batcher: str) -> None:
         self._splits.inc(tags={"batcher": batcher})

@@ -8,8 +8,8 @@ Five cases, interleaved over ``--repeats``:
 - (a) ``no-flood``: the HIGH stream alone.
 - (b) ``flood-low``: the flood at LOW priority.
 - (c) ``flood-fifo``: the flood at HIGH priority too: one FIFO lane, as a batcher without priorities would have.
-- (d) ``flood-low-no-aging``: as (b) with ``low_aging_s`` so large that LOW never counts as HIGH: shows what the
-  anti-starvation aging costs HIGH when the flood's queue holds more than ``low_aging_s`` of work.
+- (d) ``flood-low-no-share``: as (b) with ``low_share`` 0, so LOW only ever takes slots HIGH leaves free: shows
+  what the anti-starvation share costs HIGH.
 - (e) ``flood-separate``: a control. The same flood goes through a second batcher of its own, so it shares the
   machine's CPU, this process's event loop and the upstream with the HIGH stream, but not the batcher's queue or
   concurrency slots. What (e) adds over (a) is the cost of the flood's load itself; what (b) adds over (e) is the
@@ -49,12 +49,11 @@ CASES = {
     "no-flood": "(a) HIGH stream alone",
     "flood-low": "(b) flood at LOW priority",
     "flood-fifo": "(c) flood at HIGH priority (one FIFO lane)",
-    "flood-low-no-aging": "(d) as (b), LOW never ages (low_aging_s = ∞)",
+    "flood-low-no-share": "(d) as (b), LOW gets no share (low_share = 0)",
     "flood-separate": "(e) control: flood through its own batcher",
 }
 FLOOD_PRIORITY = {"no-flood": None, "flood-low": Priority.LOW, "flood-fifo": Priority.HIGH,
-                  "flood-low-no-aging": Priority.LOW, "flood-separate": Priority.LOW}
-NO_AGING_S = 1e9
+                  "flood-low-no-share": Priority.LOW, "flood-separate": Priority.LOW}
 TARGET_RATIO = 1.5  # (b) HIGH P99 at most 1.5x (a)
 
 
@@ -67,7 +66,7 @@ class Settings:
     high_seconds: float = 4.0
     repeats: int = REPEATS
     stall_factor: float | None = BatcherConfig().stall_factor  # the library's default
-    low_aging_s: float = 1.0
+    low_share: float = BatcherConfig().low_share
     mean_chars: int = 120
     seed: int = 0
 
@@ -91,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--high-seconds", type=float, help=f"HIGH stream duration (default {defaults.high_seconds:g})")
     parser.add_argument("--stall-factor", type=_factor,
                         help=f"BatcherConfig.stall_factor, or 'none' (default {defaults.stall_factor})")
-    parser.add_argument("--low-aging-s", type=float,
-                        help=f"BatcherConfig.low_aging_s (default {defaults.low_aging_s:g})")
+    parser.add_argument("--low-share", type=float,
+                        help=f"BatcherConfig.low_share (default {defaults.low_share:g})")
     add_seed_argument(parser, defaults.seed)
 
 
@@ -101,8 +100,8 @@ def _factor(text: str) -> float | None:
 
 
 def batcher_strategy(settings: Settings, case: str = "flood-low") -> Strategy:
-    aging = NO_AGING_S if case == "flood-low-no-aging" else settings.low_aging_s
-    return adaptive("adaptive", low_aging_s=aging, stall_factor=settings.stall_factor)
+    share = 0.0 if case == "flood-low-no-share" else settings.low_share
+    return adaptive("adaptive", low_share=share, stall_factor=settings.stall_factor)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,7 +325,7 @@ def render(settings: Settings, upstream: UpstreamConfig, strategy: Strategy, tab
 HIGH: Poisson {settings.high_rate:g}/s single items for {settings.high_seconds:g} s. Flood: {settings.flood_items:,} \
 texts, {settings.flood_workers} workers × submit_many of {settings.flood_chunk}. {settings.repeats} interleaved \
 repeat(s); HIGH P50/P99 are the median over runs of each run's percentile (pooled P99 beside). Batcher: \
-{strategy.description} ((d): low_aging_s = ∞). Upstream in its own process: base \
+{strategy.description} ((d): low_share = 0). Upstream in its own process: base \
 {upstream.base_latency_ms:g} ms + {upstream.per_token_ms:g} ms/token, jitter {upstream.jitter:g}, provider \
 concurrency {upstream.max_concurrency}. A run during which the load generator's event loop stalled more than \
 {disturbance.max_loop_lag_ms:g} ms (the machine is shared) was tried up to {disturbance.attempts} times and the \

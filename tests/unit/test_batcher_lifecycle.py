@@ -109,6 +109,39 @@ async def test_a_raising_batch_is_bisected_so_the_poisonous_item_fails_alone():
     assert batcher.stats().splits == 3
 
 
+async def test_a_retryable_raise_retries_the_batch_whole_instead_of_bisecting_it():
+    calls = []
+
+    async def process(payloads):
+        calls.append(list(payloads))
+        raise ConnectionError("upstream unreachable")
+
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=64, max_retries=1, max_wait_ms=0))
+    results = await batcher.submit_many(list(range(64)), return_exceptions=True)
+    assert all(isinstance(r, ConnectionError) for r in results)
+    assert calls == [list(range(64))] * 2  # max_retries + 1 calls, never a split
+    assert batcher.stats().splits == 0
+
+
+async def test_retried_items_keep_their_place_ahead_of_younger_items():
+    failed_once = set()
+
+    def answer(p):
+        if p in ("a", "c") and p not in failed_once:
+            failed_once.add(p)
+            return ConnectionError("reset")
+        return p
+
+    process = FakeProcess(delay_s=0.1, answer=answer)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=3, max_concurrent_batches=1, max_wait_ms=0,
+                                                    max_retries=1))
+    first = asyncio.ensure_future(batcher.submit_many(["a", "b", "c"]))
+    await process.started.wait()
+    later = asyncio.ensure_future(batcher.submit_many(["d", "e"]))
+    assert await first == ["a", "b", "c"] and await later == ["d", "e"]
+    assert process.calls == [["a", "b", "c"], ["a", "c", "d"], ["e"]]
+
+
 async def test_batch_timeout_bisects_around_the_slow_item():
     async def process(payloads):
         await asyncio.sleep(10 if "slow" in payloads else 0.01)

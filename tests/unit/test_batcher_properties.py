@@ -66,7 +66,7 @@ def scenarios(draw):
         max_queue_depth=draw(st.integers(5, 30)),  # a longer submit_many is a ValueError
         batch_timeout_s=draw(st.sampled_from([None, 0.2])),
         max_retries=draw(st.integers(0, 2)),
-        low_aging_s=draw(st.sampled_from([0.05, 1.0])),
+        low_share=draw(st.sampled_from([0.0, 0.1, 0.5])),
         stall_factor=draw(st.sampled_from([None, 3.0])),
     )
     ops = []

@@ -61,7 +61,7 @@ def test_quick_sweep_runs_every_strategy_at_every_rate_and_draws_both_plots(tmp_
 def test_quick_priority_completes_the_high_stream_and_the_flood_in_every_case(tmp_path):
     written = run_quick("priority", tmp_path)
 
-    assert set(written["table"]) == {"no-flood", "flood-low", "flood-fifo", "flood-low-no-aging", "flood-separate"}
+    assert set(written["table"]) == {"no-flood", "flood-low", "flood-fifo", "flood-low-no-share", "flood-separate"}
     for case, row in written["table"].items():
         assert row["high_completed"] == row["high_submitted"] > 0, case
         assert row["flood_completed"] == row["flood_items"], case

@@ -33,7 +33,7 @@ def test_fixed_wait_ignores_depth():
         ("max_queue_depth", 0),
         ("batch_timeout_s", 0),
         ("max_retries", -1),
-        ("low_aging_s", -0.5),
+        ("low_share", 1.0),
         ("stall_factor", 0),
     ],
 )
