@@ -9,11 +9,12 @@ owns. All times come from the event loop's monotonic clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 from collections import Counter
-from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Iterator, Sequence, TypeVar
 
 from .config import BatcherConfig, Priority
 from .errors import BatcherClosed, BatchResultMismatch, DeadlineExceeded, Overloaded, is_retryable, retry_after_s
@@ -86,8 +87,11 @@ class AdaptiveBatcher(Generic[P, R]):
             self._pump()
 
     async def submit(self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None) -> R:
-        (outcome,) = await self.submit_many([payload], priority=priority, timeout_s=timeout_s)
-        return outcome
+        self._admit(1, priority)
+        items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
+        self._pump()
+        with self._owned(items, deadline_timer):
+            return await items[0].future
 
     async def submit_many(
         self,
@@ -102,23 +106,27 @@ class AdaptiveBatcher(Generic[P, R]):
         self._admit(len(payloads), priority)
         items, deadline_timer = self._enqueue(payloads, priority, timeout_s)
         self._pump()
-        try:
-            if len(items) == 1:
-                await asyncio.wait((items[0].future,))
-            else:
-                await asyncio.wait([item.future for item in items])
-        except asyncio.CancelledError:
-            self._abandon(items)
-            raise
-        finally:
-            if deadline_timer is not None:
-                deadline_timer.cancel()
+        with self._owned(items, deadline_timer):
+            await asyncio.wait([item.future for item in items])
         outcomes = [item.future.exception() or item.future.result() for item in items]
         if not return_exceptions:
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
         return outcomes
+
+    @contextlib.contextmanager
+    def _owned(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None) -> Iterator[None]:
+        """While the caller waits for its items: if it stops waiting, they are abandoned; either way its deadline
+        timer goes."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._abandon(items)
+            raise
+        finally:
+            if deadline_timer is not None:
+                deadline_timer.cancel()
 
     def stats(self) -> BatcherStats:
         return BatcherStats(
