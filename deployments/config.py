@@ -6,6 +6,7 @@ args:
     - name: all-MiniLM-L6-v2
       backend: local                 # local | openai
       model_path: null               # local: defaults to the packaged all-MiniLM-L6-v2
+      engine: onnx                   # local: onnx | torch; threads: N (default: the machine's cores)
       batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
   ingress: {max_ongoing_requests: 1024}
@@ -24,6 +25,9 @@ from batching import BatcherConfig
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "openai")
+ENGINES = ("onnx", "torch")  # how the local backend runs its model (deployments/backends/engines.py)
+_LOCAL_ONLY = ("engine", "threads", "onnx_cache_dir", "onnx_optimize")
+_ONNX_ONLY = ("onnx_cache_dir", "onnx_optimize")
 MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
 # The largest request body the ingress reads. OpenAI caps a request at 300,000 tokens; as JSON that is at most
 # ~7 bytes per token id, or a few bytes per token of text (up to 6 per character when \u-escaped): 16 MiB holds any
@@ -36,7 +40,7 @@ SECRET_ENV_VARS = frozenset({"EMBEDDINGS_API_KEYS"})
 _MODEL_KEYS = frozenset({
     "name", "backend", "model_path", "base_url", "api_key_env", "upstream_model", "upstream_timeout_s",
     "batching", "autoscaling", "num_replicas", "max_ongoing_requests", "max_queued_requests", "max_input_tokens",
-    "max_surge_percent", "ray_actor_options",
+    "max_surge_percent", "ray_actor_options", *_LOCAL_ONLY,
 })
 _BATCHING_KEYS = BatcherConfig.field_names() | {"max_batch_tokens"}
 _INGRESS_KEYS = frozenset({"max_ongoing_requests", "num_replicas", "env_vars", "ray_actor_options", "max_body_bytes"})
@@ -53,6 +57,10 @@ class ModelConfig:
     backend: str
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     model_path: str | None = None
+    engine: str = "onnx"  # local only: onnx | torch
+    threads: int | None = None  # local only: the model's intra-op threads; None: the machine's cores
+    onnx_cache_dir: str | None = None  # onnx only: where the export is cached; None: ~/.cache/adaptive-embeddings/onnx
+    onnx_optimize: bool = False  # onnx only: run ORT's offline-optimised graph, saved in the cache
     base_url: str | None = None
     api_key_env: str | None = None
     upstream_model: str | None = None
@@ -179,6 +187,7 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         for key in ("base_url", "api_key_env", "upstream_model"):
             if entry.get(key) is not None:
                 problems.append(f"{where}.{key}: only the openai backend takes this option")
+    _check_engine_options(entry, backend, where, problems)
     for key in ("model_path", "base_url", "api_key_env", "upstream_model"):
         if entry.get(key) is not None and not isinstance(entry.get(key), str):
             problems.append(f"{where}.{key}: must be a string")
@@ -222,6 +231,10 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         backend=backend,
         batcher=batcher,
         model_path=entry.get("model_path"),
+        engine=entry.get("engine") or ModelConfig.engine,
+        threads=entry.get("threads"),
+        onnx_cache_dir=entry.get("onnx_cache_dir"),
+        onnx_optimize=bool(entry.get("onnx_optimize", False)),
         base_url=entry.get("base_url"),
         api_key_env=entry.get("api_key_env"),
         upstream_model=entry.get("upstream_model"),
@@ -234,6 +247,29 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         max_surge_percent=max_surge,
         ray_actor_options=dict(actor_options) if actor_options is not None else None,
     )
+
+
+def _check_engine_options(entry: Mapping[str, Any], backend: Any, where: str, problems: list[str]) -> None:
+    if backend != "local":
+        for key in _LOCAL_ONLY:
+            if entry.get(key) is not None:
+                problems.append(f"{where}.{key}: only the local backend takes this option")
+        return
+    engine = ModelConfig.engine if entry.get("engine") is None else entry["engine"]
+    if engine not in ENGINES:
+        problems.append(f"{where}.engine: must be one of {', '.join(ENGINES)}, not {engine!r}")
+    threads = entry.get("threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        problems.append(f"{where}.threads: must be an integer >= 1 (the model's intra-op threads; omit it for "
+                        f"one per core), not {threads!r}")
+    if entry.get("onnx_cache_dir") is not None and not isinstance(entry["onnx_cache_dir"], str):
+        problems.append(f"{where}.onnx_cache_dir: must be a directory path (a string)")
+    if entry.get("onnx_optimize") is not None and not isinstance(entry["onnx_optimize"], bool):
+        problems.append(f"{where}.onnx_optimize: must be true or false")
+    if engine == "torch":
+        for key in _ONNX_ONLY:
+            if entry.get(key) is not None:
+                problems.append(f"{where}.{key}: only the onnx engine takes this option")
 
 
 def _warn_about_secrets_in_runtime_env(runtime_env: Any, secrets: set[str], where: str) -> None:

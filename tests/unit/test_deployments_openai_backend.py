@@ -1,15 +1,18 @@
-"""The ``openai`` backend behind an ``EmbeddingModel`` (a plain class, no Ray) against the simulated upstream."""
+"""The ``openai`` backend alone and behind an ``EmbeddingModel`` (a plain class, no Ray), against the simulated
+upstream."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics
 from deployments import tokens
-from deployments.backends.openai_api import retry_after_s
+from deployments.backends import ItemRejected, Prepared
+from deployments.backends.openai_api import INLINE_PREPARE_SIZE, OpenAIBackend, retry_after_s
 from deployments.config import ModelConfig
 from deployments.embedder import EmbeddingModel
 from deployments.errors import InvalidRequest, UpstreamFailed
@@ -50,6 +53,43 @@ async def make_model(upstream):
     yield make
     for model in models:
         await model.aclose()
+
+
+@pytest.fixture
+async def backend(upstream):
+    backend = OpenAIBackend(base_url=upstream.base_url, upstream_model="text-embedding-3-small", timeout_s=5.0)
+    yield backend
+    await backend.aclose()
+
+
+async def test_prepare_keeps_the_text_or_the_ids_and_counts_cl100k_tokens(backend) -> None:
+    ids = tokens.encode("already tokenized")
+    text, from_ids = await backend.prepare_many(["count me in cl100k", ids])
+    assert text == Prepared("count me in cl100k", tokens.count("count me in cl100k"))
+    assert from_ids == Prepared(tuple(ids), len(ids))
+    ((vector,), (vector_of_ids,)) = [await backend.embed([prepared.content]) for prepared in (text, from_ids)]
+    assert matches(text.content, vector, DIM) and matches(ids, vector_of_ids, DIM)
+
+
+async def test_ids_outside_the_encoding_are_rejected_in_place(backend) -> None:
+    bad, good = await backend.prepare_many([[tokens.get_encoding().max_token_value + 1], "fine"])
+    assert isinstance(bad, ItemRejected) and "cl100k_base" in str(bad) and isinstance(good, Prepared)
+
+
+async def test_a_long_input_is_counted_off_the_event_loop(backend, monkeypatch) -> None:
+    counted_on: list[str] = []
+    count = tokens.count
+
+    def recording_count(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> int:
+        counted_on.append(threading.current_thread().name)
+        return count(text, encoding)
+
+    monkeypatch.setattr(tokens, "count", recording_count)
+    short, long = "short", "word " * INLINE_PREPARE_SIZE
+    (prepared_short,) = await backend.prepare_many([short])
+    (prepared_long,) = await backend.prepare_many([long])
+    assert counted_on[0] == threading.current_thread().name != counted_on[1]
+    assert prepared_long.tokens == tokens.count(long) and prepared_short.tokens == 1
 
 
 async def test_vectors_belong_to_their_inputs_and_tokens_are_counted_in_cl100k(make_model) -> None:

@@ -1,0 +1,72 @@
+"""The engines that run the local model: ids in, unit vectors out. ``torch`` or ``onnx`` (ONNX Runtime), chosen
+per model entry; both compute ``normalize(mean over the attention mask of the last hidden state)``.
+
+``embed_sequences`` pads ids into batches for an engine: sorted by length, so texts of like length share a call and
+padding stays small, then put back in order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .model_dir import ModelDir
+
+CHUNK_TOKENS = 8192  # padded positions in one model call (32 inputs of 256): bigger calls gain nothing on a CPU
+
+
+class Engine(Protocol):
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """int64 ``[n, length]`` ids and mask to float32 ``[n, dimension]`` rows of unit length."""
+
+
+def default_threads() -> int:
+    """The cores this process may run on. Not ``OMP_NUM_THREADS``: Ray sets it to the replica's ``num_cpus``
+    (1 for a local model), which would keep the model on one core of an otherwise idle machine."""
+    return len(os.sched_getaffinity(0))
+
+
+def make_engine(
+    name: str, model: ModelDir, *, threads: int, onnx_cache_dir: str | Path | None = None, onnx_optimize: bool = False
+) -> Engine:
+    """The engine ``name`` (torch, onnx) computing with ``threads`` intra-op threads; torch is imported only if
+    needed (the onnx engine needs it once, to export the model into its cache)."""
+    if name == "torch":
+        from .torch_engine import TorchEngine
+
+        return TorchEngine(model, threads=threads)
+    if name == "onnx":
+        from .onnx_engine import OnnxEngine
+
+        return OnnxEngine(model, threads=threads, cache_dir=onnx_cache_dir, optimize=onnx_optimize)
+    raise ValueError(f"unknown engine {name!r}; choose onnx or torch")
+
+
+def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+    """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    rows: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
+    for chunk in _chunks(order, sequences):
+        length = len(sequences[chunk[-1]])
+        input_ids = np.full((len(chunk), length), pad_id, dtype=np.int64)
+        attention_mask = np.zeros((len(chunk), length), dtype=np.int64)
+        for row, i in enumerate(chunk):
+            input_ids[row, : len(sequences[i])] = sequences[i]
+            attention_mask[row, : len(sequences[i])] = 1
+        for i, vector in zip(chunk, engine.run(input_ids, attention_mask)):
+            rows[i] = vector
+    return np.stack(rows).astype(np.float32, copy=False) if rows else np.empty((0, 0), np.float32)
+
+
+def _chunks(order: list[int], sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``order`` (ascending length) cut into runs whose padded size stays within ``CHUNK_TOKENS``."""
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * len(sequences[i]) <= CHUNK_TOKENS:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
