@@ -18,7 +18,7 @@ from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherSta
                       Priority)
 
 from .autoscaling import QUEUE_DEPTH_METRIC
-from .backends import EmbeddingBackend, Item, ItemRejected, UpstreamError, make_backend
+from .backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
 from .config import ModelConfig
 from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
                      UpstreamFailed, UpstreamRateLimited)
@@ -27,14 +27,19 @@ from .metrics import RayServeMetrics
 logger = logging.getLogger("ray.serve")
 
 
-class Payload(NamedTuple):
-    """What one queued item carries: the input (text, or token ids as a tuple so equal inputs dedupe) and its cost."""
+class EmbedRequest(NamedTuple):
+    """One request's inputs and how to serve them; what the ingress forwards, many at a time, to ``embed_many``."""
 
-    content: str | tuple[int, ...]
-    tokens: int
+    inputs: Sequence[str] | Sequence[Sequence[int]]
+    priority: str = "high"
+    timeout_s: float | None = None
+    dimensions: int | None = None
 
 
-def _token_cost(payload: Payload) -> float:
+Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each input's token count
+
+
+def _token_cost(payload: Prepared) -> float:
     return payload.tokens
 
 
@@ -47,7 +52,7 @@ class EmbeddingModel:
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         self._metrics = metrics if metrics is not None else RayServeMetrics()
-        self._batchers: dict[int | None, AdaptiveBatcher[Payload, np.ndarray]] = {}
+        self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
         self._closing = False
 
     async def embed(
@@ -56,33 +61,15 @@ class EmbeddingModel:
         priority: Priority | str = "high",
         timeout_s: float | None = None,
         dimensions: int | None = None,
-    ) -> tuple[np.ndarray, list[int]]:
-        try:
-            level = Priority.parse(priority)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="priority") from None
-        if timeout_s is not None and not timeout_s > 0:
-            raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
-        if not texts:
-            raise InvalidRequest("there is nothing to embed", param="input")
-        started = asyncio.get_running_loop().time()
-        batcher = self._batcher(self._output_size(dimensions))
-        counts = self._within_token_limit(await self._backend.count_tokens_many(texts))
-        self._raise_first_failure(counts)
-        payloads = [Payload(_hashable(item), count) for item, count in zip(texts, counts)]
-        if timeout_s is not None:  # counting tokens took part of it
-            timeout_s = max(1e-3, timeout_s - (asyncio.get_running_loop().time() - started))
-        try:
-            outcomes = await batcher.submit_many(payloads, priority=level, timeout_s=timeout_s, return_exceptions=True)
-        except Overloaded as exc:
-            raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
-                                  retry_after_s=exc.retry_after_s) from None
-        except BatcherClosed:
-            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry") from None
-        except ValueError as exc:  # more items than the queue can ever hold
-            raise InvalidRequest(str(exc), param="input") from None
-        self._raise_first_failure(outcomes)
-        return np.stack(outcomes).astype(np.float32, copy=False), [int(count) for count in counts]
+    ) -> Embeddings:
+        """The vectors of ``texts`` in order, or a ``ServiceError`` naming the input at fault."""
+        return await self._embed(EmbedRequest(texts, priority, timeout_s, dimensions))
+
+    async def embed_many(self, requests: Sequence[EmbedRequest]) -> list[Embeddings | ServiceError]:
+        """Several requests in one call (the ingress forwards those that reach it together): each is served as if
+        it came alone, with its own priority and deadline, and gets its own outcome; failures are returned, not
+        raised, so one bad request neither fails the others nor fills the replica's log."""
+        return await asyncio.gather(*(self._embed(request) for request in requests), return_exceptions=True)
 
     async def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""
@@ -123,6 +110,38 @@ class EmbeddingModel:
 
     # ---- internals ----------------------------------------------------------------------------------------
 
+    async def _embed(self, request: EmbedRequest) -> Embeddings:
+        texts, timeout_s = request.inputs, request.timeout_s
+        try:
+            level = Priority.parse(request.priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="priority") from None
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
+        if not texts:
+            raise InvalidRequest("there is nothing to embed", param="input")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        batcher = self._batcher(self._output_size(request.dimensions))
+        prepared = self._within_token_limit(await self._backend.prepare_many(texts))
+        self._raise_first_failure(prepared)
+        if timeout_s is not None:  # preparing the inputs took part of it
+            timeout_s -= loop.time() - started
+            if timeout_s <= 0:
+                raise RequestTimedOut("the request timed out before it was embedded")
+        try:
+            outcomes = await batcher.submit_many(prepared, priority=level, timeout_s=timeout_s, return_exceptions=True)
+        except Overloaded as exc:
+            raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
+                                  retry_after_s=exc.retry_after_s) from None
+        except BatcherClosed:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry") from None
+        except ValueError as exc:  # more items than the queue can ever hold
+            raise InvalidRequest(str(exc), param="input") from None
+        self._raise_first_failure(outcomes)
+        return np.stack(outcomes).astype(np.float32, copy=False), [item.tokens for item in prepared]
+
+
     def _output_size(self, dimensions: int | None) -> int | None:
         """The batcher key: None for the model's own size, so asking for it explicitly shares that batcher."""
         if dimensions is None or dimensions == self._backend.dimension:
@@ -137,18 +156,18 @@ class EmbeddingModel:
             )
         return dimensions
 
-    def _within_token_limit(self, counts: Sequence[int | BaseException]) -> list[int | BaseException]:
+    def _within_token_limit(self, prepared: Sequence[Prepared | BaseException]) -> list[Prepared | BaseException]:
         """An input longer than ``max_input_tokens`` fails alone, before it costs an upstream call."""
         limit = self._model.max_input_tokens
         if limit is None:
-            return list(counts)
+            return list(prepared)
         return [
-            ItemRejected(f"the input holds {count} tokens; this model takes at most {limit}")
-            if not isinstance(count, BaseException) and count > limit else count
-            for count in counts
+            ItemRejected(f"the input holds {item.tokens} tokens; this model takes at most {limit}")
+            if isinstance(item, Prepared) and item.tokens > limit else item
+            for item in prepared
         ]
 
-    def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Payload, np.ndarray]:
+    def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Prepared, np.ndarray]:
         if self._closing:
             raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
         batcher = self._batchers.get(dimensions)
@@ -156,7 +175,7 @@ class EmbeddingModel:
             size = dimensions or self._backend.dimension or "default"
             backend = self._backend
 
-            async def process(payloads: list[Payload]) -> Sequence[np.ndarray | BaseException]:
+            async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
                 return await backend.embed([payload.content for payload in payloads], dimensions)
 
             batcher = AdaptiveBatcher(
@@ -197,5 +216,3 @@ def _service_error(error: BaseException, index: int, more: str, model: str) -> S
     return ServiceError(f"{where}: the model failed ({type(error).__name__}){more}", index=index)
 
 
-def _hashable(item: Item) -> str | tuple[int, ...]:
-    return item if isinstance(item, str) else tuple(item)

@@ -57,6 +57,10 @@ class PayloadTooLarge(ServiceError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class BodyReadTimeout(ServiceError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class AuthenticationFailed(ServiceError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 

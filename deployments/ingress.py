@@ -22,14 +22,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import schemas
 from .auth import ApiKeys
 from .config import DEFAULT_MAX_BODY_BYTES
-from .errors import (InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded, PayloadTooLarge,
-                     RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
+from .embedder import EmbedRequest
+from .errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
+                     PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
+from .forwarding import ModelForwarder
 
 logger = logging.getLogger("ray.serve")
 
 OWNED_BY = "adaptive-embeddings"
-# How long past the caller's deadline the ingress waits for the model's own DeadlineExceeded before giving up.
-_DEADLINE_GRACE_S = 0.25
+# A client that sends its body slower than this gets a 408 (HAProxy, in front, drops connections idle for longer).
+BODY_READ_TIMEOUT_S = 30.0
 
 app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -71,11 +73,20 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(ServiceError("the server failed to process the request"))
 
 
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _loop_time(monotonic_at: float) -> float:
+    """A ``time.monotonic()`` moment on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
+
+
 @serve.deployment
 @serve.ingress(app)
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self._models = dict(models)
+        self._models = {name: ModelForwarder(handle) for name, handle in models.items()}
         self._api_keys = ApiKeys.from_env()
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
@@ -84,21 +95,17 @@ class EmbeddingsIngress:
 
     @app.post("/v1/embeddings")
     async def create_embeddings(self, request: Request) -> Response:
-        arrived = time.monotonic()  # the deadline counts from here, not from when the model gets the request
-        self._api_keys.check(request.headers.get("authorization"))
-        body = schemas.parse_request(await self._read_body(request))
-        handle = self._models.get(body.model)
-        if handle is None:
+        headers = request.headers
+        timeout_s = schemas.parse_timeout(headers.get("x-request-timeout"))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s  # reading the body counts
+        self._api_keys.check(headers.get("authorization"))
+        priority = schemas.parse_priority(headers.get("x-priority"))
+        body = schemas.parse_request(await self._read_body(request, deadline))
+        forwarder = self._models.get(body.model)
+        if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        priority = schemas.parse_priority(request.headers.get("x-priority"))
-        timeout_s = schemas.parse_timeout(request.headers.get("x-request-timeout"))
-        if timeout_s is not None:
-            timeout_s -= time.monotonic() - arrived
-            if timeout_s <= 0:
-                raise RequestTimedOut("the deadline passed while the request was read")
-        vectors, token_counts = await self._embed(
-            handle, body.inputs(), priority=priority.name.lower(), timeout_s=timeout_s, dimensions=body.dimensions
-        )
+        embed = EmbedRequest(body.inputs(), priority.name.lower(), _remaining(deadline), body.dimensions)
+        vectors, token_counts = await self._embed(forwarder, embed, deadline)
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")
 
@@ -114,15 +121,16 @@ class EmbeddingsIngress:
             raise self._unknown_model(model_id)
         return self._card(model_id)
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz(self) -> dict[str, Any]:
         return {"status": "ok", "models": sorted(self._models)}
 
     # ---- internals ----------------------------------------------------------------------------------------
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, deadline: float | None) -> bytes:
         """The body, refused with a 413 as soon as it is known to exceed ``max_body_bytes`` (from Content-Length
-        before reading, or while reading a body sent without one)."""
+        before reading, or while reading a body sent without one); a 408 if it does not arrive in time, a 504 if the
+        request's own deadline passes first."""
         limit = self._max_body_bytes
         too_large = PayloadTooLarge(f"the request body exceeds the {limit}-byte limit; send fewer or shorter inputs")
         declared = request.headers.get("content-length")
@@ -130,37 +138,46 @@ class EmbeddingsIngress:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        read_by = time.monotonic() + BODY_READ_TIMEOUT_S
+        try:
+            async with asyncio.timeout_at(_loop_time(min(read_by, deadline or read_by))):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            if deadline is not None and deadline <= read_by:
+                raise RequestTimedOut("the deadline passed while the request was read") from None
+            raise BodyReadTimeout(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s") from None
         return b"".join(chunks)
 
-    async def _embed(self, handle: DeploymentHandle, inputs: schemas.Inputs, **options: Any) -> tuple[Any, list[int]]:
-        timeout_s = options["timeout_s"]
-        response = handle.embed.remote(inputs, **options)
+    async def _embed(self, forwarder: ModelForwarder, request: EmbedRequest, deadline: float | None) -> Any:
+        """The model's answer, or a 504 at the deadline (the model drops what it had not sent by then too)."""
+        outcome = forwarder.forward(request)
         try:
-            async with asyncio.timeout(None if timeout_s is None else timeout_s + _DEADLINE_GRACE_S):
-                return await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
-        except Exception as exc:
-            cause = unwrap(exc)
-            if isinstance(cause, ServiceError):
-                raise cause from None
-            if isinstance(exc, TimeoutError):
-                response.cancel()
+            async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+                return await outcome
+        except TimeoutError:
+            if outcome.cancelled():  # our timeout, not an error the model raised
                 raise RequestTimedOut("no result within the time the request allowed") from None
-            if isinstance(cause, BackPressureError):
-                raise ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=1.0) from None
-            logger.error("embedding call failed", exc_info=exc)
-            raise ServiceUnavailable("the model is unavailable; retry later") from None
+            raise self._service_error(outcome.exception()) from None
+        except Exception as exc:
+            raise self._service_error(exc) from None
+
+    @staticmethod
+    def _service_error(exc: BaseException) -> ServiceError:
+        cause = unwrap(exc)
+        if isinstance(cause, ServiceError):
+            return cause
+        if isinstance(cause, BackPressureError):
+            return ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=1.0)
+        logger.error("embedding call failed", exc_info=exc)
+        return ServiceUnavailable("the model is unavailable; retry later")
 
     def _card(self, name: str) -> dict[str, Any]:
         return schemas.model_card(name, self._created, OWNED_BY)
 
     def _unknown_model(self, name: str, param: str | None = None) -> ModelNotFound:
         known = ", ".join(sorted(self._models))
-        return ModelNotFound(f"the model {name!r} does not exist; available: {known}", param=param)
+        return ModelNotFound(f"the model {schemas.shortened(name)!r} does not exist; available: {known}", param=param)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
-import json
 import math
+import re
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
 from batching import Priority
@@ -45,8 +46,8 @@ class EmbeddingRequest(BaseModel):
 def normalize_input(value: Any) -> Inputs:
     """``input`` as a list of items; ``ValueError`` saying what is wrong, OpenAI-style."""
     if isinstance(value, str):
-        if not value:
-            raise ValueError("'input' must not be an empty string")
+        if not value.strip():
+            raise ValueError("'input' must hold text, not an empty or whitespace-only string")
         return [value]
     if not isinstance(value, list) or not value:
         raise ValueError(f"'input' must be {_INPUT_SHAPES}")
@@ -56,8 +57,8 @@ def normalize_input(value: Any) -> Inputs:
         raise ValueError(f"'input' holds {len(value)} items; at most {MAX_INPUTS} are allowed per request")
     if all(isinstance(item, str) for item in value):
         for i, item in enumerate(value):
-            if not item:
-                raise ValueError(f"'input[{i}]' must not be an empty string")
+            if not item.strip():
+                raise ValueError(f"'input[{i}]' must hold text, not an empty or whitespace-only string")
         return value
     if all(isinstance(item, list) for item in value):
         for i, item in enumerate(value):
@@ -102,30 +103,37 @@ def parse_priority(header: str | None) -> Priority:
     try:
         return Priority.parse(header)
     except ValueError:
-        raise InvalidRequest(f"X-Priority must be 'high' or 'low', not {header!r}", param="X-Priority") from None
+        raise InvalidRequest(f"X-Priority must be 'high' or 'low', not {shortened(header)!r}",
+                             param="X-Priority") from None
+
+
+_SECONDS = re.compile(r"\s*(\d+(\.\d*)?|\.\d+)\s*")  # plain decimal: no signs, exponents, underscores or inf/nan
 
 
 def parse_timeout(header: str | None) -> float | None:
     if header is None:
         return None
-    try:
-        seconds = float(header)
-    except ValueError:
-        seconds = math.nan
+    seconds = float(header) if _SECONDS.fullmatch(header) else math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise InvalidRequest(
-            f"X-Request-Timeout must be a positive number of seconds, not {header!r}", param="X-Request-Timeout"
+            f"X-Request-Timeout must be a positive decimal number of seconds, not {shortened(header)!r}",
+            param="X-Request-Timeout",
         )
     return seconds
 
 
+def shortened(text: str, limit: int = 100) -> str:
+    """What an error message may quote of a caller's text: at most ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
 def embedding_response(model: str, vectors: np.ndarray, token_counts: list[int], encoding_format: str) -> bytes:
     """The response body, data in input order; base64 is the little-endian float32 bytes of each vector."""
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
     if encoding_format == "base64":
-        little_endian = vectors.astype("<f4", copy=False)
-        embeddings: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in little_endian]
+        embeddings: Any = [base64.b64encode(row).decode("ascii") for row in rows]
     else:
-        embeddings = vectors.tolist()
+        embeddings = rows  # orjson writes each float32 row as its shortest round-tripping decimals
     tokens = int(sum(token_counts))
     body = {
         "object": "list",
@@ -133,7 +141,7 @@ def embedding_response(model: str, vectors: np.ndarray, token_counts: list[int],
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def model_card(name: str, created: int, owned_by: str) -> dict[str, Any]:

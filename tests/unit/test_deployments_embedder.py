@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics, DeadlineExceeded, Overloaded
-from deployments.backends import ItemRejected, UpstreamError
+from deployments.backends import ItemRejected, Prepared, UpstreamError
 from deployments.config import ModelConfig
-from deployments.embedder import EmbeddingModel
+from deployments.embedder import EmbeddingModel, EmbedRequest
 from deployments.errors import InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceUnavailable, UpstreamFailed
 
 DIM = 8
@@ -35,11 +35,9 @@ class FakeBackend:
     def supports_dimensions(self, dimensions: int) -> bool:
         return dimensions <= DIM
 
-    def count_tokens(self, item) -> int:
-        return len(item.split()) if isinstance(item, str) else len(item)
-
-    async def count_tokens_many(self, items) -> list:
-        return [self.count_tokens(item) for item in items]
+    async def prepare_many(self, items) -> list:
+        return [Prepared(item, len(item.split())) if isinstance(item, str) else Prepared(tuple(item), len(item))
+                for item in items]
 
     async def embed(self, items: Sequence, dimensions: int | None = None) -> list:
         self.calls.append((list(items), dimensions))
@@ -100,6 +98,23 @@ async def test_concurrent_single_text_requests_share_batches() -> None:
     assert stats.items == 64
     assert stats.mean_batch_size > 1
     assert len(backend.calls) < 64
+
+
+async def test_requests_forwarded_together_each_get_their_own_outcome() -> None:
+    backend = FakeBackend()
+    model = make_model(backend, max_wait_ms=0.0)
+    outcomes = await model.embed_many([
+        EmbedRequest(["one", "two"]),
+        EmbedRequest(["fine", "poison"]),
+        EmbedRequest(["low"], priority="low", dimensions=4),
+        EmbedRequest(["late"], priority="urgent"),
+    ])
+    vectors, counts = outcomes[0]
+    np.testing.assert_array_equal(vectors[1], vector("two", DIM))
+    assert counts == [1, 1]
+    assert isinstance(outcomes[1], InvalidRequest) and outcomes[1].index == 1
+    assert outcomes[2][0].shape == (1, 4)
+    assert isinstance(outcomes[3], InvalidRequest) and outcomes[3].param == "priority"
 
 
 async def test_token_ids_are_submitted_as_items_too() -> None:

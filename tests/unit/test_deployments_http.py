@@ -30,9 +30,11 @@ def test_every_input_shape_becomes_a_list_of_items(value, items) -> None:
 
 
 @pytest.mark.parametrize("value, fragment", [
-    ("", "empty string"),
+    ("", "empty or whitespace-only string"),
+    (" \n\t", "empty or whitespace-only string"),
     ([], "must be a non-empty string"),
-    (["a", ""], "input[1]' must not be an empty string"),
+    (["a", ""], "input[1]' must hold text"),
+    (["a", "   "], "input[1]' must hold text"),
     ([[1], []], "input[1]' must not be an empty array"),
     (["a", 1], "all be strings"),
     ([[1, -2]], "non-negative integer"),
@@ -90,9 +92,16 @@ def test_priority_and_timeout_headers() -> None:
     for bad in ("urgent", ""):
         with pytest.raises(InvalidRequest):
             parse_priority(bad)
-    for bad in ("0", "-1", "soon", "nan", "inf"):
+    assert parse_timeout(" 10 ") == 10 and parse_timeout(".5") == 0.5
+    for bad in ("0", "-1", "soon", "nan", "inf", "5_0", "1e3", "+2", "0x10"):
         with pytest.raises(InvalidRequest):
             parse_timeout(bad)
+
+
+def test_error_messages_quote_at_most_a_short_prefix_of_the_callers_text() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_priority("x" * 1_000_000)
+    assert len(caught.value.message) < 200 and "1,000,000 characters" in caught.value.message
 
 
 def test_without_configured_keys_no_key_is_needed() -> None:

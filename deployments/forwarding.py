@@ -1,0 +1,98 @@
+"""How the ingress reaches a model deployment: the requests for it that arrive in the same event-loop turn travel
+together, in one handle call to ``EmbeddingModel.embed_many``.
+
+A handle call costs both replicas about a millisecond of CPU whatever it carries, and on a small machine that, not
+the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
+leaves at the end of the turn it arrived in. A group holds requests of one priority (a HIGH answer must not wait
+for a LOW request of the same call) with few inputs each (a large request goes alone, so a small one is not held
+until its vectors are done); inside the model every request still has its own priority, deadline and outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .embedder import EmbedRequest
+
+# Requests with more inputs than this are sent alone; a group carries at most GROUP_INPUTS inputs.
+SOLO_INPUTS = 16
+GROUP_INPUTS = 256
+
+_Waiter = tuple[EmbedRequest, asyncio.Future]
+
+
+class ModelForwarder:
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle.options(method_name="embed_many")
+        self._pending: dict[str, list[_Waiter]] = {}
+        self._flush_scheduled = False
+        self._deliveries: set[asyncio.Task] = set()
+
+    def forward(self, request: EmbedRequest) -> asyncio.Future:
+        """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with.
+        Cancelling it gives up on the request (and on the call, once every request of the call gave up)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if len(request.inputs) > SOLO_INPUTS:
+            self._send([(request, future)])
+            return future
+        self._pending.setdefault(request.priority, []).append((request, future))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for waiters in pending.values():
+            group: list[_Waiter] = []
+            inputs = 0
+            for waiter in waiters:
+                if group and inputs + len(waiter[0].inputs) > GROUP_INPUTS:
+                    self._send(group)
+                    group, inputs = [], 0
+                group.append(waiter)
+                inputs += len(waiter[0].inputs)
+            self._send(group)
+
+    def _send(self, group: list[_Waiter]) -> None:
+        live = [(request, future) for request, future in group if not future.done()]
+        if not live:
+            return
+        response = self._handle.remote([request for request, _ in live])
+        delivery = asyncio.ensure_future(self._deliver(response, live))
+        self._deliveries.add(delivery)
+        delivery.add_done_callback(self._deliveries.discard)
+        remaining = [len(live)]
+
+        def given_up(future: asyncio.Future) -> None:
+            if future.cancelled():
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    response.cancel()
+
+        for _, future in live:
+            future.add_done_callback(given_up)
+
+    @staticmethod
+    async def _deliver(response: Any, group: list[_Waiter]) -> None:
+        try:
+            outcomes = await response
+        except asyncio.CancelledError:
+            for _, future in group:
+                future.cancel()
+            raise
+        except Exception as exc:  # the call itself failed: every request of it did
+            for _, future in group:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), outcome in zip(group, outcomes):
+            if future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
