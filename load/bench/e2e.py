@@ -52,8 +52,8 @@ class ServeBatchedModel:
     async def embed(self, texts: Sequence[str], priority: str = "high", timeout_s: float | None = None,
                     dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:
         vectors = await asyncio.gather(*(self._embed_batch(text) for text in texts))
-        counts = await self._backend.count_tokens_many(texts)
-        return np.stack(vectors).astype(np.float32), [int(count) for count in counts]
+        prepared = await self._backend.prepare_many(texts)
+        return np.stack(vectors).astype(np.float32), [item.tokens for item in prepared]
 
     async def stats(self) -> dict[str, Any]:
         return {}

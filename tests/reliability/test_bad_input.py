@@ -232,14 +232,22 @@ def local_backend():
 def test_the_local_model_truncates_long_inputs_at_256_word_pieces(local_backend) -> None:
     import asyncio
 
-    tokenizer = local_backend._tokenizer
+    from transformers import AutoTokenizer
+
+    from deployments.backends.model_dir import packaged_model_path
+
+    reference = AutoTokenizer.from_pretrained(packaged_model_path(), local_files_only=True)
     long_text = " ".join(f"token{i % 50} lighthouse" for i in range(300))
-    pieces = tokenizer(long_text, add_special_tokens=False)["input_ids"]
+    pieces = reference(long_text, add_special_tokens=False)["input_ids"]
     assert len(pieces) > 600
-    head = tokenizer.decode(pieces[:254])  # 256 positions with [CLS] and [SEP]
-    long_vector, head_vector = asyncio.run(local_backend.embed([long_text, head]))
+    (prepared,) = asyncio.run(local_backend.prepare_many([long_text]))
+    # 256 positions with [CLS] and [SEP]: the first 254 word pieces, and usage counts what was embedded
+    assert prepared.content == (reference.cls_token_id, *pieces[:254], reference.sep_token_id)
+    assert prepared.tokens == 254
+    head = reference.decode(pieces[:254])
+    (head_prepared,) = asyncio.run(local_backend.prepare_many([head]))
+    long_vector, head_vector = asyncio.run(local_backend.embed([prepared.content, head_prepared.content]))
     assert float(long_vector @ head_vector) > 0.999  # the tail was cut, not an error
-    assert asyncio.run(local_backend.count_tokens_many([long_text])) == [len(pieces)]  # usage counts it all
 
 
 @pytest.mark.parametrize("ids", [[-1], [2**63], [tokens.get_encoding().max_token_value + 1]])
@@ -248,5 +256,5 @@ def test_the_local_model_refuses_ids_that_are_not_tokens(local_backend, ids: lis
 
     from deployments.backends import ItemRejected
 
-    (outcome,) = asyncio.run(local_backend.count_tokens_many([ids]))
+    (outcome,) = asyncio.run(local_backend.prepare_many([ids]))
     assert isinstance(outcome, ItemRejected)
