@@ -20,6 +20,7 @@ SCENARIOS: dict[str, str] = {
     "e2e": "load.bench.e2e",
     "local": "load.bench.local",
     "bulk": "load.bench.bulk",
+    "peers": "load.bench.peers",
 }
 
 
