@@ -30,7 +30,8 @@ ProcessFn = Callable[[list[P]], Awaitable[Sequence["R | BaseException"]]]
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_EWMA = 1 / 8
+_LATENCY_EWMA = 1 / 8  # also the weight of the latest batch size in the mean batch size
+_HISTORY_BATCHES = 8  # batches sent before the drain rate is trusted for deadline admission
 _NO_METRICS = BatcherMetrics()
 
 
@@ -67,6 +68,7 @@ class AdaptiveBatcher(Generic[P, R]):
         self._drain = True
         self._settled: asyncio.Event | None = None
         self._mean_latency = 0.0
+        self._mean_batch = 0.0
         self._items = self._dispatched = self._batches = 0
         self._rejected = self._expired = self._cancelled = self._retried = self._splits = 0
         self._flushes: Counter[str] = Counter()
@@ -87,7 +89,7 @@ class AdaptiveBatcher(Generic[P, R]):
             self._pump()
 
     async def submit(self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None) -> R:
-        self._admit(1, priority)
+        self._admit(1, priority, timeout_s)
         items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
         self._pump()
         with self._owned(items, deadline_timer):
@@ -103,7 +105,7 @@ class AdaptiveBatcher(Generic[P, R]):
     ) -> list[R | BaseException]:
         if not payloads:
             return []
-        self._admit(len(payloads), priority)
+        self._admit(len(payloads), priority, timeout_s)
         items, deadline_timer = self._enqueue(payloads, priority, timeout_s)
         self._pump()
         with self._owned(items, deadline_timer):
@@ -173,7 +175,7 @@ class AdaptiveBatcher(Generic[P, R]):
 
     # ---- admission ----------------------------------------------------------------------------------------------
 
-    def _admit(self, count: int, priority: Priority) -> None:
+    def _admit(self, count: int, priority: Priority, timeout_s: float | None) -> None:
         if self._closing:
             raise BatcherClosed("batcher is closed")
         if self._loop is None:
@@ -185,6 +187,23 @@ class AdaptiveBatcher(Generic[P, R]):
             self._rejected += count
             self._metrics.item_rejected(self.name, "overload", count)
             raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} queue is full ({waiting} waiting)")
+        if timeout_s is not None:
+            expected_s = self._expected_wait_s(priority, count)
+            if expected_s > timeout_s:  # refused now, rather than answered with a DeadlineExceeded when it passes
+                self._rejected += count
+                self._metrics.item_rejected(self.name, "overload", count)
+                raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} would take about "
+                                 f"{expected_s:.3f}s to serve what is queued ahead, past the {timeout_s:.3f}s allowed")
+
+    def _expected_wait_s(self, priority: Priority, count: int) -> float:
+        """How long ``count`` new items of ``priority`` should take to be served, from what waits ahead of them and
+        the recent drain rate (0 until the batcher has history)."""
+        if self._batches < _HISTORY_BATCHES or self._mean_latency <= 0:
+            return 0.0
+        lanes = self._lanes
+        ahead = lanes[Priority.HIGH].depth + (lanes[Priority.LOW].depth if priority is Priority.LOW else 0)
+        per_second = self._mean_batch * self._config.max_concurrent_batches / self._mean_latency
+        return (ahead + count) / per_second + self._mean_latency
 
     def _retry_after_estimate(self) -> float:
         """Roughly how long until the queue has room again: its depth over the recent drain rate."""
@@ -253,6 +272,7 @@ class AdaptiveBatcher(Generic[P, R]):
         self._in_flight += 1
         self._batches += 1
         self._dispatched += len(live)
+        self._mean_batch += (len(live) - self._mean_batch) * _LATENCY_EWMA
         self._flushes[reason] += 1
         self._metrics.batch_flushed(self.name, reason, len(live), [now - item.enqueued_at for item in live])
         self._metrics.queue_depth(self.name, live[0].priority, self._lanes[live[0].priority].depth)

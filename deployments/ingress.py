@@ -159,8 +159,10 @@ class EmbeddingsIngress:
             async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
                 return await outcome
         except TimeoutError:
-            if outcome.cancelled():  # our timeout, not an error the model raised
+            if not outcome.done() or outcome.cancelled():  # our timeout, not the model's answer
                 raise RequestTimedOut("no result within the time the request allowed") from None
+            if outcome.exception() is None:  # the answer came in the same turn as the deadline
+                return outcome.result()
             raise self._service_error(outcome.exception()) from None
         except Exception as exc:
             raise self._service_error(exc) from None

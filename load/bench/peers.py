@@ -42,7 +42,16 @@ MODEL = "all-MiniLM-L6-v2"
 # `ray stop --force`, which would end every Ray process on the machine). RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes
 # Ray take 127.0.0.1 as the node's address (what the tests' `_node_ip_address` does), so its traffic stays on
 # loopback; no usage stats are sent.
-SERVICE_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+# On top of serve.env, the environment the README's run command gives it.
+SERVE_ENV_FILE = ROOT / "serve.env"
+
+
+def _serve_env() -> dict[str, str]:
+    lines = (line.strip() for line in SERVE_ENV_FILE.read_text().splitlines())
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+SERVICE_ENV: dict[str, str] = {**_serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/tmp/ray-peers-bench"}
 
 

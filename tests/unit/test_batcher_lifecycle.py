@@ -142,6 +142,20 @@ async def test_retried_items_keep_their_place_ahead_of_younger_items():
     assert process.calls == [["a", "b", "c"], ["a", "c", "d"], ["e"]]
 
 
+async def test_an_item_whose_deadline_cannot_be_met_is_refused_at_once_not_timed_out_later():
+    process = FakeProcess(delay_s=0.1)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=1, max_concurrent_batches=1, max_wait_ms=0))
+    await asyncio.gather(*(batcher.submit(i) for i in range(8)))  # history: 10 items/s
+    backlog = [asyncio.ensure_future(batcher.submit(f"q{i}")) for i in range(30)]  # ~3 s of work
+    await asyncio.sleep(0)
+    started = now()
+    with pytest.raises(Overloaded) as refused:
+        await batcher.submit("hurried", timeout_s=1.0)
+    assert now() == started and refused.value.retry_after_s > 0
+    assert await batcher.submit("patient", timeout_s=10.0) == ("ok", "patient")
+    await asyncio.gather(*backlog)
+
+
 async def test_batch_timeout_bisects_around_the_slow_item():
     async def process(payloads):
         await asyncio.sleep(10 if "slow" in payloads else 0.01)
