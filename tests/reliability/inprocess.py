@@ -43,8 +43,12 @@ class _Call:
 class InProcessHandle:
     """Stands in for a ``DeploymentHandle`` to an ``EmbeddingModel`` living in this process."""
 
-    def __init__(self, model: EmbeddingModel) -> None:
-        self.embed = SimpleNamespace(remote=lambda *args, **kwargs: _Call(model.embed(*args, **kwargs)))
+    def __init__(self, model: EmbeddingModel, method_name: str = "embed") -> None:
+        self._model = model
+        self.remote = lambda *args, **kwargs: _Call(getattr(model, method_name)(*args, **kwargs))
+
+    def options(self, *, method_name: str) -> "InProcessHandle":
+        return InProcessHandle(self._model, method_name)
 
 
 class InProcessService:
