@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Awaitable, NamedTuple, Sequence
 
 import numpy as np
 from ray import serve
@@ -65,11 +65,23 @@ class EmbeddingModel:
         """The vectors of ``texts`` in order, or a ``ServiceError`` naming the input at fault."""
         return await self._embed(EmbedRequest(texts, priority, timeout_s, dimensions))
 
-    async def embed_many(self, requests: Sequence[EmbedRequest]) -> list[Embeddings | ServiceError]:
-        """Several requests in one call (the ingress forwards those that reach it together): each is served as if
-        it came alone, with its own priority and deadline, and gets its own outcome; failures are returned, not
-        raised, so one bad request neither fails the others nor fills the replica's log."""
-        return await asyncio.gather(*(self._embed(request) for request in requests), return_exceptions=True)
+    async def embed_many(
+        self, requests: Sequence[EmbedRequest]
+    ) -> AsyncIterator[list[tuple[int, Embeddings | BaseException]]]:
+        """Several requests in one call (the ingress forwards those that reach it together), streamed back: each is
+        served as if it came alone, with its own priority and deadline, and its ``(index, outcome)`` is yielded as
+        soon as it is done (those done together in one list), so a quick answer never waits for a slow neighbour.
+        Failures are yielded, not raised, so one bad request neither fails the others nor fills the replica's log."""
+        tasks = [asyncio.ensure_future(self._embed(request)) for request in requests]
+        index = {task: i for i, task in enumerate(tasks)}
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                yield [(index[task], task.exception() or task.result()) for task in done]
+        finally:
+            for task in pending:
+                task.cancel()
 
     async def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""

@@ -1,5 +1,5 @@
 """How the ingress reaches a model deployment: the requests for it that arrive in the same event-loop turn travel
-together, in one handle call to ``EmbeddingModel.embed_many``.
+together, in one streaming handle call to ``EmbeddingModel.embed_many``, which sends each answer back when it is done.
 
 A handle call costs both replicas about a millisecond of CPU whatever it carries, and on a small machine that, not
 the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
@@ -24,7 +24,7 @@ _Waiter = tuple[EmbedRequest, asyncio.Future]
 
 class ModelForwarder:
     def __init__(self, handle: Any) -> None:
-        self._handle = handle.options(method_name="embed_many")
+        self._handle = handle.options(method_name="embed_many", stream=True)
         self._pending: dict[str, list[_Waiter]] = {}
         self._flush_scheduled = False
         self._deliveries: set[asyncio.Task] = set()
@@ -79,20 +79,20 @@ class ModelForwarder:
     @staticmethod
     async def _deliver(response: Any, group: list[_Waiter]) -> None:
         try:
-            outcomes = await response
+            async for finished in response:
+                for index, outcome in finished:
+                    future = group[index][1]
+                    if future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
         except asyncio.CancelledError:
             for _, future in group:
                 future.cancel()
             raise
-        except Exception as exc:  # the call itself failed: every request of it did
+        except Exception as exc:  # the call itself failed: every request of it still waiting did
             for _, future in group:
                 if not future.done():
                     future.set_exception(exc)
-            return
-        for (_, future), outcome in zip(group, outcomes):
-            if future.done():
-                continue
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)

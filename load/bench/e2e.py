@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
 from ray import serve
@@ -54,6 +54,11 @@ class ServeBatchedModel:
         vectors = await asyncio.gather(*(self._embed_batch(text) for text in texts))
         prepared = await self._backend.prepare_many(texts)
         return np.stack(vectors).astype(np.float32), [item.tokens for item in prepared]
+
+    async def embed_many(self, requests: Sequence[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """What the ingress calls: ``EmbeddingModel.embed_many``'s contract (all answers in one message here)."""
+        outcomes = await asyncio.gather(*(self.embed(r.inputs) for r in requests), return_exceptions=True)
+        yield list(enumerate(outcomes))
 
     async def stats(self) -> dict[str, Any]:
         return {}

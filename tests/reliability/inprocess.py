@@ -40,15 +40,29 @@ class _Call:
         self._task.cancel()
 
 
+class _Stream:
+    """What ``handle.options(stream=True).method.remote(...)`` returns: async-iterable, cancellable."""
+
+    def __init__(self, generator: Any) -> None:
+        self._generator = generator
+
+    def __aiter__(self):
+        return self._generator
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self._generator.aclose())
+
+
 class InProcessHandle:
     """Stands in for a ``DeploymentHandle`` to an ``EmbeddingModel`` living in this process."""
 
-    def __init__(self, model: EmbeddingModel, method_name: str = "embed") -> None:
+    def __init__(self, model: EmbeddingModel, method_name: str = "embed", stream: bool = False) -> None:
         self._model = model
-        self.remote = lambda *args, **kwargs: _Call(getattr(model, method_name)(*args, **kwargs))
+        wrap = _Stream if stream else _Call
+        self.remote = lambda *args, **kwargs: wrap(getattr(model, method_name)(*args, **kwargs))
 
-    def options(self, *, method_name: str) -> "InProcessHandle":
-        return InProcessHandle(self._model, method_name)
+    def options(self, *, method_name: str, stream: bool = False) -> "InProcessHandle":
+        return InProcessHandle(self._model, method_name, stream)
 
 
 class InProcessService:

@@ -103,12 +103,15 @@ async def test_concurrent_single_text_requests_share_batches() -> None:
 async def test_requests_forwarded_together_each_get_their_own_outcome() -> None:
     backend = FakeBackend()
     model = make_model(backend, max_wait_ms=0.0)
-    outcomes = await model.embed_many([
+    streamed = [finished async for finished in model.embed_many([
         EmbedRequest(["one", "two"]),
         EmbedRequest(["fine", "poison"]),
         EmbedRequest(["low"], priority="low", dimensions=4),
         EmbedRequest(["late"], priority="urgent"),
-    ])
+    ])]
+    assert [i for i, _ in streamed[0]] == [3]  # the bad priority is answered at once, before any batch ran
+    outcomes = dict(pair for finished in streamed for pair in finished)
+    assert sorted(outcomes) == [0, 1, 2, 3]
     vectors, counts = outcomes[0]
     np.testing.assert_array_equal(vectors[1], vector("two", DIM))
     assert counts == [1, 1]
