@@ -117,19 +117,6 @@ class AdaptiveBatcher(Generic[P, R]):
                     raise outcome
         return outcomes
 
-    @contextlib.contextmanager
-    def _owned(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None) -> Iterator[None]:
-        """While the caller waits for its items: if it stops waiting, they are abandoned; either way its deadline
-        timer goes."""
-        try:
-            yield
-        except asyncio.CancelledError:
-            self._abandon(items)
-            raise
-        finally:
-            if deadline_timer is not None:
-                deadline_timer.cancel()
-
     def stats(self) -> BatcherStats:
         return BatcherStats(
             queued_high=self._lanes[Priority.HIGH].depth,
@@ -172,6 +159,21 @@ class AdaptiveBatcher(Generic[P, R]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose(drain=True)
+
+    # ---- waiting ------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _owned(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None) -> Iterator[None]:
+        """While the caller waits for its items: if it stops waiting, they are abandoned; either way its deadline
+        timer goes."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._abandon(items)
+            raise
+        finally:
+            if deadline_timer is not None:
+                deadline_timer.cancel()
 
     # ---- admission ----------------------------------------------------------------------------------------------
 

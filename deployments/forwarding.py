@@ -3,9 +3,8 @@ together, in one streaming handle call to ``EmbeddingModel.embed_many``, which s
 
 A handle call costs both replicas about a millisecond of CPU whatever it carries, and on a small machine that, not
 the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
-leaves at the end of the turn it arrived in. A group holds requests of one priority (a HIGH answer must not wait
-for a LOW request of the same call) with few inputs each (a large request goes alone, so a small one is not held
-until its vectors are done); inside the model every request still has its own priority, deadline and outcome.
+leaves at the end of the turn it arrived in. Inside the model every request keeps its own priority, deadline and
+outcome, and since each answer streams back on its own, no request waits for another of its call.
 """
 
 from __future__ import annotations
@@ -15,18 +14,13 @@ from typing import Any
 
 from .embedder import EmbedRequest
 
-# Requests with more inputs than this are sent alone; a group carries at most GROUP_INPUTS inputs.
-SOLO_INPUTS = 16
-GROUP_INPUTS = 256
-
 _Waiter = tuple[EmbedRequest, asyncio.Future]
 
 
 class ModelForwarder:
     def __init__(self, handle: Any) -> None:
         self._handle = handle.options(method_name="embed_many", stream=True)
-        self._pending: dict[str, list[_Waiter]] = {}
-        self._flush_scheduled = False
+        self._pending: list[_Waiter] = []
         self._deliveries: set[asyncio.Task] = set()
 
     def forward(self, request: EmbedRequest) -> asyncio.Future:
@@ -34,30 +28,13 @@ class ModelForwarder:
         Cancelling it gives up on the request (and on the call, once every request of the call gave up)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if len(request.inputs) > SOLO_INPUTS:
-            self._send([(request, future)])
-            return future
-        self._pending.setdefault(request.priority, []).append((request, future))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
+        if not self._pending:
             loop.call_soon(self._flush)
+        self._pending.append((request, future))
         return future
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending = self._pending, {}
-        for waiters in pending.values():
-            group: list[_Waiter] = []
-            inputs = 0
-            for waiter in waiters:
-                if group and inputs + len(waiter[0].inputs) > GROUP_INPUTS:
-                    self._send(group)
-                    group, inputs = [], 0
-                group.append(waiter)
-                inputs += len(waiter[0].inputs)
-            self._send(group)
-
-    def _send(self, group: list[_Waiter]) -> None:
+        group, self._pending = self._pending, []
         live = [(request, future) for request, future in group if not future.done()]
         if not live:
             return

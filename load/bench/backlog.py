@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from load.loadgen import censored_percentile
 from load.workload import pseudo_sentences
 
 from .report import machine_info, markdown_table, write_results
@@ -190,13 +191,13 @@ CASE_RUNNERS = {"low-flood": low_flood, "deadline-flood": deadline_flood, "long-
 
 
 def summary(answers: Sequence[Answer]) -> dict[str, Any]:
-    latencies = sorted(a.latency_s * 1000 for a in answers)
+    latencies = [a.latency_s * 1000 for a in answers]
 
     def pct(p: float) -> float | None:
-        return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] if latencies else None
+        return censored_percentile(latencies, 0, p) if latencies else None
 
     return {"requests": len(answers), "statuses": dict(Counter(str(a.status) for a in answers)),
-            "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": latencies[-1] if latencies else None}
+            "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": max(latencies, default=None)}
 
 
 def replica_rss_mb() -> float | None:
