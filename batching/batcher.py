@@ -186,33 +186,26 @@ class AdaptiveBatcher(Generic[P, R]):
             raise ValueError(f"{count} items can never fit a queue of max_queue_depth={self._config.max_queue_depth}")
         waiting = len(self._lanes) + len(self._delayed)  # items waiting out a Retry-After will queue again
         if waiting + count > self._policy.admission_limit(priority):
-            self._rejected += count
-            self._metrics.item_rejected(self.name, "overload", count)
-            raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} queue is full ({waiting} waiting)")
-        if timeout_s is not None:
-            expected_s = self._expected_wait_s(priority, count)
+            self._refuse(count, f"batcher {self.name!r} queue is full ({waiting} waiting)")
+        if timeout_s is not None and self._batches >= _HISTORY_BATCHES:
+            lanes = self._lanes
+            ahead = lanes[Priority.HIGH].depth + (lanes[Priority.LOW].depth if priority is Priority.LOW else 0)
+            expected_s = (ahead + count) / self._items_per_s() + self._mean_latency
             if expected_s > timeout_s:  # refused now, rather than answered with a DeadlineExceeded when it passes
-                self._rejected += count
-                self._metrics.item_rejected(self.name, "overload", count)
-                raise Overloaded(self._retry_after_estimate(), f"batcher {self.name!r} would take about "
-                                 f"{expected_s:.3f}s to serve what is queued ahead, past the {timeout_s:.3f}s allowed")
+                self._refuse(count, f"batcher {self.name!r} would take about {expected_s:.3f}s to serve what is "
+                                    f"queued ahead, past the {timeout_s:.3f}s allowed")
 
-    def _expected_wait_s(self, priority: Priority, count: int) -> float:
-        """How long ``count`` new items of ``priority`` should take to be served, from what waits ahead of them and
-        the recent drain rate (0 until the batcher has history)."""
-        if self._batches < _HISTORY_BATCHES or self._mean_latency <= 0:
-            return 0.0
-        lanes = self._lanes
-        ahead = lanes[Priority.HIGH].depth + (lanes[Priority.LOW].depth if priority is Priority.LOW else 0)
-        per_second = self._mean_batch * self._config.max_concurrent_batches / self._mean_latency
-        return (ahead + count) / per_second + self._mean_latency
+    def _refuse(self, count: int, reason: str) -> None:
+        self._rejected += count
+        self._metrics.item_rejected(self.name, "overload", count)
+        retry_after_s = min(60.0, max(0.05, len(self._lanes) / self._items_per_s()))  # until the queue ahead drained
+        raise Overloaded(retry_after_s, reason)
 
-    def _retry_after_estimate(self) -> float:
-        """Roughly how long until the queue has room again: its depth over the recent drain rate."""
+    def _items_per_s(self) -> float:
+        """The recent drain rate: mean batch size x slots over mean batch latency (max_wait_ms before history)."""
         config = self._config
-        batch_s = self._mean_latency or config.max_wait_ms / 1000.0
-        per_round = max(1.0, (self._dispatched / self._batches if self._batches else 1.0) * config.max_concurrent_batches)
-        return min(60.0, max(0.05, len(self._lanes) / per_round * batch_s))
+        batch_s = self._mean_latency or config.max_wait_ms / 1000.0 or 1e-3
+        return max(1.0, self._mean_batch * config.max_concurrent_batches) / batch_s
 
     def _enqueue(
         self, payloads: Sequence[P], priority: Priority, timeout_s: float | None
