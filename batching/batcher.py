@@ -92,8 +92,14 @@ class AdaptiveBatcher(Generic[P, R]):
         self._admit(1, priority, timeout_s)
         items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
         self._pump()
-        with self._owned(items, deadline_timer):
+        try:  # the hot path: what _owned does, without a generator-based context manager's cost
             return await items[0].future
+        except asyncio.CancelledError:
+            self._abandon(items)
+            raise
+        finally:
+            if deadline_timer is not None:
+                deadline_timer.cancel()
 
     async def submit_many(
         self,
