@@ -9,6 +9,7 @@ args:
       engine: onnx                   # local: onnx | torch; threads: N (default: the machine's cores)
       batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
+      cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
   ingress: {max_ongoing_requests: 1024}
 ```
 Every problem is reported at once, each prefixed with where it is (``models[1].batching: ...``).
@@ -35,20 +36,42 @@ MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Environment variables that hold secrets. Ray writes a replica's runtime_env (env_vars included) to
 # runtime_env_agent.log, so a secret must reach the replica another way (see deployments/secrets.py).
-SECRET_ENV_VARS = frozenset({"EMBEDDINGS_API_KEYS"})
+SECRET_ENV_VARS = frozenset({"EMBEDDINGS_API_KEYS", "EMBEDDINGS_CACHE_REDIS_URL", "EMBEDDINGS_CACHE_REDIS_PASSWORD"})
+CACHE_STORES = ("disk", "redis")
+MIN_CACHE_BYTES = 1024 * 1024  # diskcache's SQLite file alone takes tens of kilobytes
+DEFAULT_REDIS_TTL_S = 7 * 24 * 3600.0
 
 _MODEL_KEYS = frozenset({
     "name", "backend", "model_path", "base_url", "api_key_env", "upstream_model", "upstream_timeout_s",
     "batching", "autoscaling", "num_replicas", "max_ongoing_requests", "max_queued_requests", "max_input_tokens",
-    "max_surge_percent", "ray_actor_options", *_LOCAL_ONLY,
+    "max_surge_percent", "ray_actor_options", "cache", *_LOCAL_ONLY,
 })
 _BATCHING_KEYS = BatcherConfig.field_names() | {"max_batch_tokens"}
+_CACHE_STORE_ONLY = {"disk": ("max_bytes", "directory"), "redis": ("url_env", "password_env")}
+_CACHE_KEYS = frozenset({"store", "timeout_ms", "ttl_s", *_CACHE_STORE_ONLY["disk"], *_CACHE_STORE_ONLY["redis"]})
 _INGRESS_KEYS = frozenset({"max_ongoing_requests", "num_replicas", "env_vars", "ray_actor_options", "max_body_bytes"})
 _APP_KEYS = frozenset({"models", "ingress"})
 
 
 class ConfigError(ValueError):
     """The application's arguments are invalid; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A model entry's embedding cache (``deployments/cache/``): where vectors are kept, and for how long."""
+
+    store: str  # disk: this node's replicas share a directory | redis: every node shares one server
+    timeout_ms: float = 50.0  # each store call; a slower one is a miss
+    ttl_s: float | None = None  # entries expire after; None: disk keeps them (bytes bound only), redis a week
+    max_bytes: int = 1024**3  # disk only: the directory's bound (least recently used entries go first)
+    directory: str | None = None  # disk only; None: ~/.cache/adaptive-embeddings/vectors/<model name>
+    url_env: str = "EMBEDDINGS_CACHE_REDIS_URL"  # redis only: the variable holding the URL (or NAME_FILE a file)
+    password_env: str = "EMBEDDINGS_CACHE_REDIS_PASSWORD"  # redis only, optional: the same for the password
+
+    @property
+    def effective_ttl_s(self) -> float | None:
+        return DEFAULT_REDIS_TTL_S if self.ttl_s is None and self.store == "redis" else self.ttl_s
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,7 @@ class ModelConfig:
     max_input_tokens: int | None = None
     max_surge_percent: int | None = None
     ray_actor_options: Mapping[str, Any] | None = None
+    cache: CacheConfig | None = None
 
     @property
     def deployment_name(self) -> str:
@@ -195,6 +219,7 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
     if not _is_number(timeout) or timeout <= 0:
         problems.append(f"{where}.upstream_timeout_s: must be a number > 0")
     batcher = _parse_batching(entry.get("batching") or {}, f"{where}.batching", problems)
+    cache = _parse_cache(entry.get("cache"), f"{where}.cache", problems)
     autoscaling = entry.get("autoscaling")
     num_replicas = entry.get("num_replicas")
     if autoscaling is not None:
@@ -246,7 +271,35 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         max_input_tokens=max_input_tokens,
         max_surge_percent=max_surge,
         ray_actor_options=dict(actor_options) if actor_options is not None else None,
+        cache=cache,
     )
+
+
+def _parse_cache(section: Any, where: str, problems: list[str]) -> CacheConfig | None:
+    if section is None:
+        return None
+    if not _check_mapping(section, _CACHE_KEYS, "a mapping of cache settings", where, problems):
+        return None
+    before = len(problems)
+    store = section.get("store")
+    if store not in CACHE_STORES:
+        problems.append(f"{where}.store: must be one of {', '.join(CACHE_STORES)}, not {store!r}")
+    other = {"disk": "redis", "redis": "disk"}.get(store)
+    for key in _CACHE_STORE_ONLY.get(other, ()):
+        if key in section:
+            problems.append(f"{where}.{key}: only the {other} store takes this option")
+    for key in ("timeout_ms", "ttl_s"):
+        if section.get(key) is not None and (not _is_number(section[key]) or section[key] <= 0):
+            problems.append(f"{where}.{key}: must be a number > 0")
+    max_bytes = section.get("max_bytes")
+    if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < MIN_CACHE_BYTES):
+        problems.append(f"{where}.max_bytes: must be an integer >= {MIN_CACHE_BYTES} (bytes)")
+    for key in ("directory", "url_env", "password_env"):
+        if section.get(key) is not None and not isinstance(section[key], str):
+            problems.append(f"{where}.{key}: must be a string")
+    if len(problems) > before:
+        return None
+    return CacheConfig(**{key: value for key, value in section.items() if value is not None})
 
 
 def _check_engine_options(entry: Mapping[str, Any], backend: Any, where: str, problems: list[str]) -> None:

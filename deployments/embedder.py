@@ -19,6 +19,7 @@ from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherSta
 
 from .autoscaling import QUEUE_DEPTH_METRIC
 from .backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
+from .cache import CacheMetrics, make_cache
 from .config import ModelConfig
 from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
                      UpstreamFailed, UpstreamRateLimited)
@@ -46,12 +47,14 @@ def _token_cost(payload: Prepared) -> float:
 @serve.deployment
 class EmbeddingModel:
     def __init__(
-        self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None
+        self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,
+        cache_metrics: CacheMetrics | None = None,
     ) -> None:
-        """``backend`` and ``metrics`` default to what the model entry names and the Ray Serve metrics sink."""
+        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and the Ray Serve sinks."""
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         self._metrics = metrics if metrics is not None else RayServeMetrics()
+        self._cache = make_cache(model, cache_metrics)
         self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
         self._closing = False
 
@@ -106,6 +109,7 @@ class EmbeddingModel:
             return
         self._closing = True
         await asyncio.gather(*(batcher.aclose(drain=True) for batcher in self._batchers.values()))
+        await self._cache.aclose()
         await self._backend.aclose()
 
     def __del__(self) -> Awaitable[None] | None:
@@ -134,15 +138,21 @@ class EmbeddingModel:
             raise InvalidRequest("there is nothing to embed", param="input")
         loop = asyncio.get_running_loop()
         started = loop.time()
-        batcher = self._batcher(self._output_size(request.dimensions))
+        dimensions = self._output_size(request.dimensions)
+        batcher = self._batcher(dimensions)
         prepared = self._within_token_limit(await self._backend.prepare_many(texts))
         self._raise_first_failure(prepared)
         if timeout_s is not None:  # preparing the inputs took part of it
             timeout_s -= loop.time() - started
             if timeout_s <= 0:
                 raise RequestTimedOut("the request timed out before it was embedded")
-        try:
-            outcomes = await batcher.submit_many(prepared, priority=level, timeout_s=timeout_s, return_exceptions=True)
+
+        async def submit(items: list[Prepared], timeout: float | None) -> Sequence[np.ndarray | BaseException]:
+            return await batcher.submit_many(items, priority=level, timeout_s=timeout, return_exceptions=True)
+
+        try:  # the cache submits only what it does not hold (all of it when the entry has no cache)
+            outcomes = await self._cache.embed(prepared, submit, dimensions=dimensions, priority=level,
+                                               timeout_s=timeout_s)
         except Overloaded as exc:
             raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
                                   retry_after_s=exc.retry_after_s) from None

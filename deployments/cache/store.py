@@ -1,0 +1,94 @@
+"""What a vector store is, and the guard every store call passes through.
+
+A store maps keys to the bytes of one float32 vector. The guard gives each call ``timeout_s``; a call that fails,
+times out or finds the store failing a moment ago (within ``cool_down_s``) is a miss (get) or a lost write (set),
+never an error for the request. Each failure is counted; the log says when a store starts failing and when it
+answers again, naming the store and the error's type only: no key or value is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Mapping, Protocol, Sequence
+
+from .metrics import CacheMetrics
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_COOL_DOWN_S = 1.0
+
+
+class VectorStore(Protocol):
+    name: str  # "disk" | "redis": the store's tag in metrics and logs
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, in order, or None where it has none."""
+
+    async def set_many(self, entries: Mapping[str, bytes]) -> None:
+        """Store every entry (under the store's own expiry and byte bound)."""
+
+    async def aclose(self) -> None:
+        """Release connections and threads."""
+
+
+class GuardedStore:
+    def __init__(self, store: VectorStore, *, cache: str, timeout_s: float, metrics: CacheMetrics,
+                 cool_down_s: float = DEFAULT_COOL_DOWN_S) -> None:
+        self._store = store
+        self._cache = cache
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._cool_down_s = cool_down_s
+        self._failing_until: float | None = None  # loop time; None while the store answers
+
+    @property
+    def name(self) -> str:
+        return self._store.name
+
+    async def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The keys the store holds, with their values; {} if it cannot say in time."""
+        if not keys or self._skipping("get"):
+            return {}
+        try:
+            values = await asyncio.wait_for(self._store.get_many(keys), self._timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
+            self._failed("get", exc)
+            return {}
+        self._answered()
+        found = {key: value for key, value in zip(keys, values) if value is not None}
+        self._metrics.bytes_moved(self._cache, "read", sum(map(len, found.values())))
+        return found
+
+    async def set_many(self, entries: Mapping[str, bytes]) -> None:
+        if not entries or self._skipping("set"):
+            return
+        try:
+            await asyncio.wait_for(self._store.set_many(entries), self._timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a lost write costs a later miss, nothing more
+            self._failed("set", exc)
+            return
+        self._answered()
+        self._metrics.bytes_moved(self._cache, "written", sum(map(len, entries.values())))
+
+    async def aclose(self) -> None:
+        await self._store.aclose()
+
+    def _skipping(self, op: str) -> bool:
+        if self._failing_until is None or asyncio.get_running_loop().time() >= self._failing_until:
+            return False
+        self._metrics.store_failed(self._cache, self.name, op, "skipped")
+        return True
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+        self._metrics.store_failed(self._cache, self.name, op, reason)
+        if self._failing_until is None:
+            logger.warning("embedding cache %r: the %s store failed (%s on %s); inputs are computed as misses "
+                           "until it answers again", self._cache, self.name, type(exc).__name__, op)
+        self._failing_until = asyncio.get_running_loop().time() + self._cool_down_s
+
+    def _answered(self) -> None:
+        if self._failing_until is not None:
+            logger.info("embedding cache %r: the %s store answers again", self._cache, self.name)
+            self._failing_until = None

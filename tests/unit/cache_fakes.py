@@ -1,0 +1,121 @@
+"""Stand-ins for the cache's tests: an in-memory store that can be made slow or down, a recording metrics sink, and
+a model whose calls can be held, each counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from batching import DeadlineExceeded, Priority
+from deployments.backends import Prepared
+from deployments.cache import CacheMetrics, EmbeddingCache
+from deployments.cache.store import GuardedStore
+
+DIM = 8
+TIMEOUT_S = 0.05
+
+
+def vector(content: Hashable, dimensions: int | None = None) -> np.ndarray:
+    seed = abs(hash(("fake-model", content, dimensions))) % 2**32
+    return np.random.default_rng(seed).standard_normal(dimensions or DIM).astype(np.float32)
+
+
+def prepared(*contents: Hashable) -> list[Prepared]:
+    return [Prepared(content, len(content)) for content in contents]
+
+
+class MemoryStore:
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.down = False
+        self.delay_s = 0.0
+        self.calls = Counter[str]()
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        await self._answer("get")
+        return [self.data.get(key) for key in keys]
+
+    async def set_many(self, entries: Mapping[str, bytes]) -> None:
+        await self._answer("set")
+        self.data.update(entries)
+
+    async def aclose(self) -> None:
+        pass
+
+    async def _answer(self, op: str) -> None:
+        self.calls[op] += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.down:
+            raise ConnectionError("store down")
+
+
+class RecordingMetrics(CacheMetrics):
+    def __init__(self) -> None:
+        self.lookups = Counter[str]()
+        self.saved_inputs = 0
+        self.saved_tokens = 0
+        self.store_errors = Counter[tuple[str, str]]()
+        self.bytes = Counter[str]()
+
+    def looked_up(self, cache: str, outcome: str, count: int) -> None:
+        if count:
+            self.lookups[outcome] += count
+
+    def saved(self, cache: str, inputs: int, tokens: int) -> None:
+        self.saved_inputs += inputs
+        self.saved_tokens += tokens
+
+    def store_failed(self, cache: str, store: str, op: str, reason: str) -> None:
+        self.store_errors[op, reason] += 1
+
+    def bytes_moved(self, cache: str, op: str, count: int) -> None:
+        self.bytes[op] += count
+
+
+class FakeModel:
+    """``submit`` as the embedder passes it: vectors derived from the content; ``gate`` (when set) holds every call
+    until released, within the call's timeout; then ``refuse`` (when set) is raised instead."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Hashable]] = []
+        self.gate: asyncio.Event | None = None
+        self.refuse: BaseException | None = None
+        self.failing: set[Hashable] = set()
+
+    async def submit(self, items: list[Prepared], timeout_s: float | None) -> list[np.ndarray | BaseException]:
+        self.calls.append([item.content for item in items])
+        if self.gate is not None:
+            try:
+                await asyncio.wait_for(self.gate.wait(), timeout_s)
+            except TimeoutError:
+                return [DeadlineExceeded("late") for _ in items]
+        if self.refuse is not None:
+            raise self.refuse
+        return [ValueError("bad input") if item.content in self.failing else vector(item.content) for item in items]
+
+    def computed(self) -> list[Hashable]:
+        return [content for call in self.calls for content in call]
+
+
+def make_cache(store: MemoryStore | None = None, metrics: RecordingMetrics | None = None, *,
+               identity: str = "fake-model v1", name: str = "fake") -> EmbeddingCache:
+    metrics = metrics or RecordingMetrics()
+    guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics)
+    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics)
+
+
+async def embed(cache: EmbeddingCache, model: FakeModel, *contents: Hashable, priority: Priority = Priority.HIGH,
+                timeout_s: float | None = None, dimensions: int | None = None) -> list[np.ndarray | BaseException]:
+    return await cache.embed(prepared(*contents), model.submit, dimensions=dimensions, priority=priority,
+                             timeout_s=timeout_s)
+
+
+async def settle() -> None:
+    """Let the background writes land (the loop's clock is looptime's: no real time passes)."""
+    await asyncio.sleep(1.0)

@@ -1,0 +1,242 @@
+"""The cache in front of the batcher: hits, misses, single flight, failures and a failing store, on looptime's
+clock (no real time passes; every wait is exact)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from batching import DeadlineExceeded, Overloaded, Priority
+
+from .cache_fakes import TIMEOUT_S, FakeModel, MemoryStore, RecordingMetrics, embed, make_cache, settle, vector
+
+pytestmark = pytest.mark.looptime
+
+
+async def test_a_miss_is_computed_and_written_back_and_then_is_a_hit_that_never_reaches_the_model() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    first = await embed(cache, model, "alpha", "beta")
+    await settle()
+    second = await embed(cache, model, "beta", "alpha")
+    assert model.calls == [["alpha", "beta"]]
+    assert second[0].tobytes() == first[1].tobytes() == vector("beta").tobytes()
+    assert second[1].tobytes() == vector("alpha").tobytes()
+    assert metrics.lookups == {"miss": 2, "hit": 2}
+    assert metrics.saved_inputs == 2 and metrics.saved_tokens == len("alpha") + len("beta")
+    assert metrics.bytes == {"written": 2 * 4 * 8, "read": 2 * 4 * 8}
+
+
+async def test_a_text_sent_twice_in_one_request_is_computed_once() -> None:
+    model = FakeModel()
+    outcomes = await embed(make_cache(), model, "same", "other", "same")
+    assert model.calls == [["same", "other"]]
+    assert outcomes[0].tobytes() == outcomes[2].tobytes()
+
+
+async def test_concurrent_requests_for_a_missing_text_share_one_computation() -> None:
+    metrics, model = RecordingMetrics(), FakeModel()
+    cache = make_cache(metrics=metrics)
+    model.gate = asyncio.Event()
+    first = asyncio.ensure_future(embed(cache, model, "shared"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(embed(cache, model, "shared", "own"))  # rides in another batch
+    await asyncio.sleep(0.01)
+    model.gate.set()
+    (a,), (b, own) = await first, await second
+    assert model.calls == [["shared"], ["own"]]
+    assert a.tobytes() == b.tobytes() == vector("shared").tobytes()
+    assert own.tobytes() == vector("own").tobytes()
+    assert metrics.lookups["joined"] == 1 and metrics.lookups["miss"] == 2
+
+
+async def test_a_request_arriving_while_the_vector_is_written_back_joins_instead_of_computing() -> None:
+    store, model = MemoryStore(), FakeModel()
+    store.delay_s = TIMEOUT_S / 2
+    cache = make_cache(store)
+    await embed(cache, model, "slow write")
+    (again,) = await embed(cache, model, "slow write")  # its write has not landed yet
+    assert model.calls == [["slow write"]]
+    assert again.tobytes() == vector("slow write").tobytes()
+
+
+async def test_high_never_joins_a_low_computation() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    model.gate = asyncio.Event()
+    low = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.LOW))
+    await asyncio.sleep(0.01)
+    high = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.HIGH))
+    await asyncio.sleep(0.01)
+    later_low = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.LOW))
+    await asyncio.sleep(0.01)
+    model.gate.set()
+    await asyncio.gather(low, high, later_low)
+    assert model.calls == [["text"], ["text"]]  # LOW's, then HIGH's own; the later LOW joined one of them
+
+
+async def test_a_joiner_outlives_its_leaders_deadline_and_computes_the_text_itself() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    model.gate = asyncio.Event()
+    leader = asyncio.ensure_future(embed(cache, model, "text", timeout_s=0.1))
+    await asyncio.sleep(0.01)
+    joiner = asyncio.ensure_future(embed(cache, model, "text"))
+    await asyncio.sleep(0.2)  # the leader's deadline passed
+    (late,) = await leader
+    assert isinstance(late, DeadlineExceeded)
+    model.gate.set()
+    (vector_,) = await joiner
+    assert vector_.tobytes() == vector("text").tobytes()
+    assert model.calls == [["text"], ["text"]]
+
+
+async def test_a_joiner_times_out_on_its_own_deadline() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    model.gate = asyncio.Event()
+    leader = asyncio.ensure_future(embed(cache, model, "text"))
+    await asyncio.sleep(0.01)
+    (late,) = await embed(cache, model, "text", timeout_s=0.1)
+    assert isinstance(late, DeadlineExceeded)
+    model.gate.set()
+    assert (await leader)[0].tobytes() == vector("text").tobytes()
+
+
+async def test_a_cancelled_leader_leaves_its_joiners_to_compute_the_text() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    model.gate = asyncio.Event()
+    leader = asyncio.ensure_future(embed(cache, model, "text"))
+    await asyncio.sleep(0.01)
+    joiner = asyncio.ensure_future(embed(cache, model, "text"))
+    await asyncio.sleep(0.01)
+    leader.cancel()
+    await asyncio.sleep(0.01)
+    model.gate.set()
+    (vector_,) = await joiner
+    assert vector_.tobytes() == vector("text").tobytes()
+    assert len(model.calls) == 2
+
+
+async def test_a_refused_leader_raises_and_its_joiners_try_themselves() -> None:
+    leader_model, joiner_model = FakeModel(), FakeModel()
+    cache = make_cache()
+    leader_model.gate = asyncio.Event()
+    leader_model.refuse = Overloaded(1.0)  # what the batcher raises for a request it cannot queue
+    leader = asyncio.ensure_future(embed(cache, leader_model, "text"))
+    await asyncio.sleep(0.01)
+    joiner = asyncio.ensure_future(embed(cache, joiner_model, "text"))
+    await asyncio.sleep(0.01)
+    leader_model.gate.set()
+    with pytest.raises(Overloaded):
+        await leader
+    (vector_,) = await joiner
+    assert vector_.tobytes() == vector("text").tobytes()
+    assert joiner_model.calls == [["text"]]
+
+
+async def test_a_request_the_batcher_refuses_raises_and_leaves_nothing_in_flight() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    model.refuse = Overloaded(2.0)
+    with pytest.raises(Overloaded):
+        await embed(cache, model, "text")
+    model.refuse = None
+    (vector_,) = await embed(cache, model, "text")
+    assert vector_.tobytes() == vector("text").tobytes()
+
+
+async def test_failures_are_shared_with_joiners_but_never_stored() -> None:
+    store, model = MemoryStore(), FakeModel()
+    cache = make_cache(store)
+    model.failing = {"poison"}
+    model.gate = asyncio.Event()
+    first = asyncio.ensure_future(embed(cache, model, "poison"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(embed(cache, model, "poison"))
+    await asyncio.sleep(0.01)
+    model.gate.set()
+    (a,), (b,) = await first, await second
+    assert isinstance(a, ValueError) and b is a
+    await settle()
+    assert store.data == {}
+    await embed(cache, model, "poison")
+    assert len(model.calls) == 2
+
+
+async def test_a_store_that_is_down_costs_a_miss_is_counted_and_is_skipped_for_a_moment() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    store.down = True
+    (first,) = await embed(cache, model, "text")
+    (second,) = await embed(cache, model, "other")
+    assert first.tobytes() == vector("text").tobytes() and second.tobytes() == vector("other").tobytes()
+    assert metrics.store_errors[("get", "error")] == 1 and metrics.store_errors[("get", "skipped")] == 1
+    assert store.calls == {"get": 1}  # the second request did not wait for the store
+    await settle()  # past the cool-down
+    store.down = False
+    await embed(cache, model, "text")
+    await settle()
+    (again,) = await embed(cache, model, "text")
+    assert again.tobytes() == first.tobytes() and len(model.calls) == 3
+
+
+async def test_a_slow_store_costs_at_most_its_timeout() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    store.delay_s = 10.0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    (vector_,) = await embed(cache, model, "text")
+    assert loop.time() - started == pytest.approx(TIMEOUT_S)
+    assert vector_.tobytes() == vector("text").tobytes()
+    assert metrics.store_errors[("get", "timeout")] == 1
+
+
+async def test_a_stored_value_that_is_not_a_float32_vector_is_a_miss() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    await embed(cache, model, "text")
+    await settle()
+    (key,) = store.data
+    store.data[key] = b"\x00\x01\x02"
+    (vector_,) = await embed(cache, model, "text")
+    assert vector_.tobytes() == vector("text").tobytes()
+    assert len(model.calls) == 2 and metrics.store_errors[("get", "corrupt")] == 1
+
+
+async def test_another_model_or_output_size_never_finds_the_vector() -> None:
+    store, model = MemoryStore(), FakeModel()
+    await embed(make_cache(store, identity="model v1"), model, "text")
+    await settle()
+    newer = make_cache(store, identity="model v2")
+    await embed(newer, model, "text")
+    await embed(make_cache(store, identity="model v1"), model, "text", dimensions=4)
+    await embed(make_cache(store, identity="model v1", name="another entry"), model, "text")
+    assert len(model.calls) == 4
+    await settle()
+    await embed(newer, model, "text")
+    assert len(model.calls) == 4
+
+
+async def test_text_and_token_ids_are_different_inputs() -> None:
+    model = FakeModel()
+    cache = make_cache()
+    text, ids = await embed(cache, model, "12", (1, 2))
+    await settle()
+    again_ids, again_text = await embed(cache, model, (1, 2), "12")
+    assert model.calls == [["12", (1, 2)]]
+    assert again_ids.tobytes() == ids.tobytes() and again_text.tobytes() == text.tobytes()
+    assert not np.array_equal(text, ids)
+
+
+async def test_close_lets_the_writes_in_progress_land() -> None:
+    store, model = MemoryStore(), FakeModel()
+    store.delay_s = TIMEOUT_S / 2
+    cache = make_cache(store)
+    await embed(cache, model, "text")
+    await cache.aclose()
+    assert len(store.data) == 1
