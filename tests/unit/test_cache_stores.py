@@ -1,0 +1,163 @@
+"""The embedded store (diskcache) under its byte bound and expiry, on a controlled clock; keys; the identity that
+keeps a changed model from finding old vectors; a model entry's ``cache:`` settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import diskcache
+import pytest
+
+from deployments.cache.build import vector_identity
+from deployments.cache.disk_store import DiskStore
+from deployments.cache.keys import CacheKeys
+from deployments.config import ConfigError, ModelConfig, parse_app_config
+
+ENTRY = 40 * 1024  # over diskcache's 32 KiB inline limit: each value is a file, counted to the byte
+
+
+class FakeClock:
+    """Stands in for the ``time`` module diskcache reads its clock from (access and expiry times)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(diskcache.core, "time", fake)
+    return fake
+
+
+def value(i: int) -> bytes:
+    return bytes([i % 256]) * ENTRY
+
+
+async def test_the_disk_store_evicts_the_least_recently_used_entries_past_its_byte_bound(
+        tmp_path: Path, clock: FakeClock) -> None:
+    bound = 1024 * 1024
+    store = DiskStore(tmp_path / "vectors", max_bytes=bound, ttl_s=None, lock_timeout_s=1.0)
+    try:
+        for i in range(20):
+            clock.now += 1
+            await store.set_many({f"k{i}": value(i)})
+        clock.now += 1
+        assert await store.get_many(["k0"]) == [value(0)]  # read: now the most recently used
+        for i in range(20, 28):
+            clock.now += 1
+            await store.set_many({f"k{i}": value(i)})
+        found = await store.get_many([f"k{i}" for i in range(28)])
+    finally:
+        await store.aclose()
+    kept = [i for i, entry in enumerate(found) if entry is not None]
+    assert all(found[i] == value(i) for i in kept)
+    by_last_use = [*range(1, 20), 0, *range(20, 28)]
+    assert by_last_use[-len(kept):] == sorted(kept, key=by_last_use.index)  # the least recently used went first
+    assert 0 in kept and 1 not in kept and 27 in kept
+    with diskcache.Cache(str(tmp_path / "vectors")) as reopened:
+        assert reopened.volume() <= bound + ENTRY  # over by at most the entry whose write evicts
+
+
+async def test_disk_entries_expire_after_their_ttl(tmp_path: Path, clock: FakeClock) -> None:
+    store = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=60.0, lock_timeout_s=1.0)
+    try:
+        await store.set_many({"key": b"vector"})
+        clock.now += 59
+        assert await store.get_many(["key", "other"]) == [b"vector", None]
+        clock.now += 2
+        assert await store.get_many(["key"]) == [None]
+    finally:
+        await store.aclose()
+
+
+async def test_the_disk_store_is_shared_by_the_processes_of_a_node(tmp_path: Path) -> None:
+    one = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=None, lock_timeout_s=1.0)
+    other = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=None, lock_timeout_s=1.0)
+    try:
+        await one.set_many({"key": b"vector"})
+        assert await other.get_many(["key"]) == [b"vector"]
+    finally:
+        await one.aclose()
+        await other.aclose()
+    assert stat.S_IMODE(os.stat(tmp_path / "vectors").st_mode) == 0o700  # users' vectors: this user only
+
+
+def test_keys_are_hashes_that_differ_by_model_identity_size_and_input_encoding() -> None:
+    keys = CacheKeys("entry", "model v1", None)
+    text = keys.key("a private sentence")
+    assert text == CacheKeys("entry", "model v1", None).key("a private sentence")
+    assert "private" not in text and len(text) == len("emb:") + 64
+    others = {
+        CacheKeys("other entry", "model v1", None).key("a private sentence"),
+        CacheKeys("entry", "model v2", None).key("a private sentence"),
+        CacheKeys("entry", "model v1", 256).key("a private sentence"),
+        keys.key("a private sentence "),
+    }
+    assert text not in others and len(others) == 4
+    assert keys.key("1") != keys.key((1,)) and keys.key((1, 2)) != keys.key((12,))
+    assert keys.key("\ud800") != keys.key("\ud801")  # lone surrogates (valid JSON) are keyed, not refused
+    with pytest.raises(TypeError):
+        keys.key(3.5)
+
+
+def test_an_upstream_model_or_url_change_changes_the_identity() -> None:
+    base = ModelConfig(name="m", backend="openai", base_url="https://a/v1", upstream_model="small")
+    assert vector_identity(base) == vector_identity(ModelConfig(**{**base.__dict__}))
+    assert vector_identity(base) != vector_identity(ModelConfig(**{**base.__dict__, "upstream_model": "large"}))
+    assert vector_identity(base) != vector_identity(ModelConfig(**{**base.__dict__, "base_url": "https://b/v1"}))
+
+
+def test_a_changed_local_model_file_or_engine_changes_the_identity(tmp_path: Path) -> None:
+    model_dir = tiny_model_dir(tmp_path / "model")
+    entry = ModelConfig(name="m", backend="local", model_path=str(model_dir))
+    before = vector_identity(entry)
+    assert before != vector_identity(ModelConfig(**{**entry.__dict__, "engine": "torch"}))
+    (model_dir / "model.safetensors").write_bytes(b"retrained weights")
+    assert vector_identity(entry) != before
+
+
+def tiny_model_dir(root: Path) -> Path:
+    """The files ``ModelDir.read`` needs, no real weights."""
+    (root / "1_Pooling").mkdir(parents=True)
+    (root / "modules.json").write_text(json.dumps([
+        {"type": "sentence_transformers.models.Transformer", "path": ""},
+        {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]))
+    (root / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                                                "word_embedding_dimension": 8}))
+    (root / "config.json").write_text(json.dumps({"hidden_size": 8, "max_position_embeddings": 16}))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "model.safetensors").write_bytes(b"weights")
+    return root
+
+
+def test_a_model_entry_takes_a_disk_or_redis_cache() -> None:
+    disk, redis = parse_app_config({"models": [
+        {"name": "a", "cache": {"store": "disk", "max_bytes": 2**30, "directory": "/var/cache/vectors"}},
+        {"name": "b", "backend": "openai", "base_url": "http://u/v1",
+         "cache": {"store": "redis", "url_env": "MY_REDIS_URL", "timeout_ms": 20}},
+    ]}).models
+    assert disk.cache.store == "disk" and disk.cache.max_bytes == 2**30 and disk.cache.effective_ttl_s is None
+    assert redis.cache.url_env == "MY_REDIS_URL" and redis.cache.timeout_ms == 20
+    assert redis.cache.effective_ttl_s == 7 * 24 * 3600
+    assert parse_app_config({"models": [{"name": "c"}]}).models[0].cache is None
+
+
+def test_cache_settings_are_checked() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_app_config({"models": [
+            {"name": "a", "cache": {"store": "memcached"}},
+            {"name": "b", "cache": {"store": "redis", "max_bytes": 2**30, "timeout_ms": 0}},
+            {"name": "c", "cache": {"store": "disk", "max_bytes": 1000, "url_env": "X", "colour": "red"}},
+        ]})
+    message = str(caught.value)
+    for problem in ("models[0].cache.store: must be one of disk, redis", "models[1].cache.max_bytes: only the disk",
+                    "models[1].cache.timeout_ms: must be a number > 0", "models[2].cache.max_bytes: must be an integer",
+                    "models[2].cache.url_env: only the redis", "models[2].cache: unknown setting(s) colour"):
+        assert problem in message
