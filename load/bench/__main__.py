@@ -20,6 +20,7 @@ SCENARIOS: dict[str, str] = {
     "e2e": "load.bench.e2e",
     "local": "load.bench.local",
     "bulk": "load.bench.bulk",
+    "bulk-rerun": "load.bench.bulk_rerun",
     "backlog": "load.bench.backlog",
     "peers": "load.bench.peers",
 }

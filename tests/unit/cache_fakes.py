@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Hashable, Mapping, Sequence
+from typing import Awaitable, Hashable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from deployments.backends import Prepared
 from deployments.cache import CacheMetrics, EmbeddingCache
 from deployments.cache.store import GuardedStore
 
+T = TypeVar("T")
 DIM = 8
 TIMEOUT_S = 0.05
 
@@ -108,6 +109,20 @@ def make_cache(store: MemoryStore | None = None, metrics: RecordingMetrics | Non
     metrics = metrics or RecordingMetrics()
     guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics)
     return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics)
+
+
+def held_model() -> FakeModel:
+    """A model whose calls wait until ``gate`` is set."""
+    model = FakeModel()
+    model.gate = asyncio.Event()
+    return model
+
+
+async def started(call: Awaitable[T]) -> asyncio.Future[T]:
+    """``call`` running, and by now waiting where it waits (for the store, a held model, or a flight)."""
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0.01)
+    return task
 
 
 async def embed(cache: EmbeddingCache, model: FakeModel, *contents: Hashable, priority: Priority = Priority.HIGH,

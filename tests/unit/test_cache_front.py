@@ -10,7 +10,8 @@ import pytest
 
 from batching import DeadlineExceeded, Overloaded, Priority
 
-from .cache_fakes import TIMEOUT_S, FakeModel, MemoryStore, RecordingMetrics, embed, make_cache, settle, vector
+from .cache_fakes import (TIMEOUT_S, FakeModel, MemoryStore, RecordingMetrics, embed, held_model, make_cache, settle,
+                          started, vector)
 
 pytestmark = pytest.mark.looptime
 
@@ -37,13 +38,10 @@ async def test_a_text_sent_twice_in_one_request_is_computed_once() -> None:
 
 
 async def test_concurrent_requests_for_a_missing_text_share_one_computation() -> None:
-    metrics, model = RecordingMetrics(), FakeModel()
+    metrics, model = RecordingMetrics(), held_model()
     cache = make_cache(metrics=metrics)
-    model.gate = asyncio.Event()
-    first = asyncio.ensure_future(embed(cache, model, "shared"))
-    await asyncio.sleep(0.01)
-    second = asyncio.ensure_future(embed(cache, model, "shared", "own"))  # rides in another batch
-    await asyncio.sleep(0.01)
+    first = await started(embed(cache, model, "shared"))
+    second = await started(embed(cache, model, "shared", "own"))  # rides in another batch
     model.gate.set()
     (a,), (b, own) = await first, await second
     assert model.calls == [["shared"], ["own"]]
@@ -63,26 +61,18 @@ async def test_a_request_arriving_while_the_vector_is_written_back_joins_instead
 
 
 async def test_high_never_joins_a_low_computation() -> None:
-    model = FakeModel()
-    cache = make_cache()
-    model.gate = asyncio.Event()
-    low = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.LOW))
-    await asyncio.sleep(0.01)
-    high = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.HIGH))
-    await asyncio.sleep(0.01)
-    later_low = asyncio.ensure_future(embed(cache, model, "text", priority=Priority.LOW))
-    await asyncio.sleep(0.01)
+    model, cache = held_model(), make_cache()
+    low = await started(embed(cache, model, "text", priority=Priority.LOW))
+    high = await started(embed(cache, model, "text", priority=Priority.HIGH))
+    later_low = await started(embed(cache, model, "text", priority=Priority.LOW))
     model.gate.set()
     await asyncio.gather(low, high, later_low)
     assert model.calls == [["text"], ["text"]]  # LOW's, then HIGH's own; the later LOW joined one of them
 
 
 async def test_a_joiner_outlives_its_leaders_deadline_and_computes_the_text_itself() -> None:
-    model = FakeModel()
-    cache = make_cache()
-    model.gate = asyncio.Event()
-    leader = asyncio.ensure_future(embed(cache, model, "text", timeout_s=0.1))
-    await asyncio.sleep(0.01)
+    model, cache = held_model(), make_cache()
+    leader = await started(embed(cache, model, "text", timeout_s=0.1))
     joiner = asyncio.ensure_future(embed(cache, model, "text"))
     await asyncio.sleep(0.2)  # the leader's deadline passed
     (late,) = await leader
@@ -94,11 +84,8 @@ async def test_a_joiner_outlives_its_leaders_deadline_and_computes_the_text_itse
 
 
 async def test_a_joiner_times_out_on_its_own_deadline() -> None:
-    model = FakeModel()
-    cache = make_cache()
-    model.gate = asyncio.Event()
-    leader = asyncio.ensure_future(embed(cache, model, "text"))
-    await asyncio.sleep(0.01)
+    model, cache = held_model(), make_cache()
+    leader = await started(embed(cache, model, "text"))
     (late,) = await embed(cache, model, "text", timeout_s=0.1)
     assert isinstance(late, DeadlineExceeded)
     model.gate.set()
@@ -106,13 +93,9 @@ async def test_a_joiner_times_out_on_its_own_deadline() -> None:
 
 
 async def test_a_cancelled_leader_leaves_its_joiners_to_compute_the_text() -> None:
-    model = FakeModel()
-    cache = make_cache()
-    model.gate = asyncio.Event()
-    leader = asyncio.ensure_future(embed(cache, model, "text"))
-    await asyncio.sleep(0.01)
-    joiner = asyncio.ensure_future(embed(cache, model, "text"))
-    await asyncio.sleep(0.01)
+    model, cache = held_model(), make_cache()
+    leader = await started(embed(cache, model, "text"))
+    joiner = await started(embed(cache, model, "text"))
     leader.cancel()
     await asyncio.sleep(0.01)
     model.gate.set()
@@ -122,14 +105,10 @@ async def test_a_cancelled_leader_leaves_its_joiners_to_compute_the_text() -> No
 
 
 async def test_a_refused_leader_raises_and_its_joiners_try_themselves() -> None:
-    leader_model, joiner_model = FakeModel(), FakeModel()
-    cache = make_cache()
-    leader_model.gate = asyncio.Event()
+    leader_model, joiner_model, cache = held_model(), FakeModel(), make_cache()
     leader_model.refuse = Overloaded(1.0)  # what the batcher raises for a request it cannot queue
-    leader = asyncio.ensure_future(embed(cache, leader_model, "text"))
-    await asyncio.sleep(0.01)
-    joiner = asyncio.ensure_future(embed(cache, joiner_model, "text"))
-    await asyncio.sleep(0.01)
+    leader = await started(embed(cache, leader_model, "text"))
+    joiner = await started(embed(cache, joiner_model, "text"))
     leader_model.gate.set()
     with pytest.raises(Overloaded):
         await leader
@@ -150,14 +129,11 @@ async def test_a_request_the_batcher_refuses_raises_and_leaves_nothing_in_flight
 
 
 async def test_failures_are_shared_with_joiners_but_never_stored() -> None:
-    store, model = MemoryStore(), FakeModel()
+    store, model = MemoryStore(), held_model()
     cache = make_cache(store)
     model.failing = {"poison"}
-    model.gate = asyncio.Event()
-    first = asyncio.ensure_future(embed(cache, model, "poison"))
-    await asyncio.sleep(0.01)
-    second = asyncio.ensure_future(embed(cache, model, "poison"))
-    await asyncio.sleep(0.01)
+    first = await started(embed(cache, model, "poison"))
+    second = await started(embed(cache, model, "poison"))
     model.gate.set()
     (a,), (b,) = await first, await second
     assert isinstance(a, ValueError) and b is a
