@@ -50,7 +50,7 @@ class EmbeddingModel:
         self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,
         cache_metrics: CacheMetrics | None = None,
     ) -> None:
-        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and the Ray Serve sinks."""
+        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks."""
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         self._metrics = metrics if metrics is not None else RayServeMetrics()

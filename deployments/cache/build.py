@@ -35,8 +35,8 @@ def make_store(config: CacheConfig, model_name: str) -> VectorStore:
     if not url:
         raise ValueError(f"model {model_name!r}: the redis cache needs its URL in ${config.url_env} "
                          f"(or a file holding it named by ${config.url_env}_FILE)")
-    return RedisStore(url, password=read_secret(config.password_env) or None, ttl_s=config.effective_ttl_s or DEFAULT_REDIS_TTL_S,
-                      timeout_s=timeout_s)
+    return RedisStore(url, password=read_secret(config.password_env) or None,
+                      ttl_s=config.effective_ttl_s or DEFAULT_REDIS_TTL_S, timeout_s=timeout_s)
 
 
 def vector_identity(model: ModelConfig) -> str:

@@ -9,6 +9,11 @@ night's corpus — the same documents with ``--edited-share`` of them edited (on
 ``--added-share`` more appended — into another fresh file. Each night reports its wall time (launch to exit), the
 upstream calls and the tokens the upstream billed; every output row is checked against its document's hash.
 Targets: night 2 bills ≤ 8% of night 1's tokens and takes ≤ 25% of its wall time.
+
+With ``--high-rate R`` a HIGH stream of single-text requests (Poisson, R a second, texts no night contains) runs
+from each night's first upstream call to its end, and its P50/P99 are reported beside each night: the cache's cost
+to interactive latency is the disk and redis rows against the control's. Upstream calls and tokens then include
+the stream's, so the token target is read from a run without it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class Settings:
     # embed-bulk's defaults
     job_concurrency: int = BulkSettings.concurrency
     job_batch_size: int = BulkSettings.batch_size
+    high_rate_per_s: float = 0.0  # a HIGH stream beside each night; 0: none
 
     def __post_init__(self) -> None:
         unknown = set(self.store_names) - set(STORES)
@@ -88,12 +94,13 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
 
     night_1 = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
     night_2 = next_night(night_1, settings)
+    stream_texts = pseudo_sentences(int(settings.high_rate_per_s * 1800), settings.mean_chars, seed=1)
     with tempfile.TemporaryDirectory(prefix="bench-bulk-rerun-") as work, ExitStack() as servers:
         entries = {name: cached_entry(name, f"{root_url}/v1", Path(work), servers) for name in settings.store_names}
         apps = {name: build_app({"models": [entry]}) for name, entry in entries.items()}
         with deployed(proxy, apps, MODEL) as targets:
             nights = asyncio.run(_both_nights({t.label: t.url for t in targets}, root_url, night_1, night_2,
-                                              Path(work), settings, upstream.dim))
+                                              stream_texts, Path(work), settings, upstream.dim))
     data = summarise(nights, settings, upstream)
     md_path, json_path = write_results("bulk_rerun", "The nightly job re-run with the embedding cache",
                                        render(data), data, results_dir)
@@ -141,14 +148,16 @@ def cached_entry(store: str, base_url: str, work: Path, servers: ExitStack) -> d
 
 
 async def _both_nights(urls: dict[str, str], root_url: str, night_1: Sequence[str], night_2: Sequence[str],
-                       work: Path, settings: Settings, dim: int) -> dict[str, dict[str, Any]]:
+                       stream_texts: Sequence[str], work: Path, settings: Settings,
+                       dim: int) -> dict[str, dict[str, Any]]:
     inputs = [write_documents(night_1, work / "night-1.jsonl"), write_documents(night_2, work / "night-2.jsonl")]
     nights: dict[str, dict[str, Any]] = {}
     async with UpstreamClient(root_url) as upstream:
         for store, url in urls.items():
             nights[store] = {}
             for night, (documents, input_path) in enumerate(zip((night_1, night_2), inputs), start=1):
-                job = await bulk_job(url, upstream, documents, input_path, settings, dim)  # resets the counters
+                job = await bulk_job(url, upstream, documents, input_path, settings, dim,  # resets the counters
+                                     stream_texts=stream_texts or None)
                 job["tokens_billed"] = (await upstream.stats())["tokens_billed"]
                 nights[store][f"night_{night}"] = job
     return nights
@@ -179,26 +188,37 @@ def render(data: dict[str, Any]) -> str:
         for night in ("night_1", "night_2"):
             job = pair[night]
             wrong = job["mismatches"] + job["misplaced_ids"] + (job["documents"] - job["rows"])
-            rows.append([store if store != "none" else "none (control)", night.replace("_", " "), f"{job['documents']:,}", f"{job['wall_s']:,.1f}",
-                         f"{job['upstream_calls']:,}", f"{job['tokens_billed']:,}", wrong])
+            high = job.get("high_stream") or {}
+            rows.append([store if store != "none" else "none (control)", night.replace("_", " "),
+                         f"{job['documents']:,}", f"{job['wall_s']:,.1f}", f"{job['upstream_calls']:,}",
+                         f"{job['tokens_billed']:,}", wrong, high.get("submitted", "—"), _ms(high.get("p50_ms")),
+                         _ms(high.get("p99_ms"))])
     shares = [f"`{store}`: tokens {_percent(t['token_share']['value'])} ({verdict[t['token_share']['met']]}), "
               f"wall time {_percent(t['wall_share']['value'])} ({verdict[t['wall_share']['met']]})"
               for store, t in data["targets"].items()]
     table = markdown_table(["store", "night", "documents", "wall s", "upstream calls", "tokens billed",
-                            "wrong rows"], rows)
+                            "wrong rows", "HIGH requests", "HIGH P50 ms", "HIGH P99 ms"], rows)
+    stream = (f"A HIGH stream of single texts, Poisson at {settings['high_rate_per_s']:g}/s, ran beside each night "
+              "(its calls and tokens are in the counts)." if settings["high_rate_per_s"] else
+              "No HIGH stream ran (`--high-rate` adds one).")
     return f"""\
 {settings['documents']:,} generated documents (~{settings['mean_chars']} characters); night 2: \
 {settings['edited_share']:.0%} edited (one word changed), {settings['added_share']:.0%} added. Upstream in its own \
 process: base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, provider concurrency \
 {upstream['max_concurrency']}. Each night is `python -m load.bulk` (`embed-bulk`, unchanged) with \
 `--concurrency {settings['job_concurrency']} --batch-size {settings['job_batch_size']}` into a fresh `.npy`; wall \
-time from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash.
+time from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash. \
+{stream}
 
 {table}
 
 Night 2 / night 1 (targets: tokens ≤ {TARGET_TOKEN_SHARE:.0%}, wall time ≤ {TARGET_WALL_SHARE:.0%}): \
 {"; ".join(shares)}.
 """
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
 
 
 def _percent(value: float | None) -> str:
