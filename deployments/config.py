@@ -248,6 +248,8 @@ def _parse_model(entry: Any, where: str, problems: list[str]) -> ModelConfig | N
         secrets = set(SECRET_ENV_VARS)
         if isinstance(entry.get("api_key_env"), str):
             secrets.add(entry["api_key_env"])
+        if cache is not None and cache.store == "redis":
+            secrets |= {cache.url_env, cache.password_env}
         _warn_about_secrets_in_runtime_env(actor_options.get("runtime_env"), secrets, f"{where}.ray_actor_options")
     if len(problems) > before or batcher is None:
         return None

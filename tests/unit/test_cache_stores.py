@@ -4,6 +4,7 @@ keeps a changed model from finding old vectors; a model entry's ``cache:`` setti
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -161,3 +162,16 @@ def test_cache_settings_are_checked() -> None:
                     "models[1].cache.timeout_ms: must be a number > 0", "models[2].cache.max_bytes: must be an integer",
                     "models[2].cache.url_env: only the redis", "models[2].cache: unknown setting(s) colour"):
         assert problem in message
+
+
+def test_a_redis_url_in_runtime_env_is_warned_about_and_its_file_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    def entry(env_vars: dict[str, str]) -> dict:
+        return {"name": "m", "cache": {"store": "redis", "url_env": "MY_REDIS_URL"},
+                "ray_actor_options": {"runtime_env": {"env_vars": env_vars}}}
+
+    with caplog.at_level(logging.WARNING):
+        parse_app_config({"models": [entry({"MY_REDIS_URL_FILE": "/run/secrets/redis-url"})]})
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        parse_app_config({"models": [entry({"MY_REDIS_URL": "redis://:hunter2@cache:6379/0"})]})
+    assert "MY_REDIS_URL holds a secret" in caplog.text and "hunter2" not in caplog.text
