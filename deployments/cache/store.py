@@ -1,7 +1,7 @@
 """What a vector store is, and the guard every store call passes through.
 
 A store maps keys to the bytes of one float32 vector. The guard gives each call ``timeout_s``; a call that fails,
-times out or finds the store failing a moment ago (within ``cool_down_s``) is a miss (get) or a lost write (set),
+times out or finds the store failing a moment ago (within ``COOL_DOWN_S``) is a miss (get) or a lost write (set),
 never an error for the request. Each failure is counted; the log says when a store starts failing and when it
 answers again, naming the store and the error's type only: no key or value is ever logged.
 """
@@ -16,7 +16,7 @@ from .metrics import CacheMetrics
 
 logger = logging.getLogger("ray.serve")
 
-DEFAULT_COOL_DOWN_S = 1.0
+COOL_DOWN_S = 1.0  # after a failure, how long the store is not asked
 
 
 class VectorStore(Protocol):
@@ -33,13 +33,11 @@ class VectorStore(Protocol):
 
 
 class GuardedStore:
-    def __init__(self, store: VectorStore, *, cache: str, timeout_s: float, metrics: CacheMetrics,
-                 cool_down_s: float = DEFAULT_COOL_DOWN_S) -> None:
+    def __init__(self, store: VectorStore, *, cache: str, timeout_s: float, metrics: CacheMetrics) -> None:
         self._store = store
         self._cache = cache
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self._cool_down_s = cool_down_s
         self._failing_until: float | None = None  # loop time; None while the store answers
 
     @property
@@ -86,7 +84,7 @@ class GuardedStore:
         if self._failing_until is None:
             logger.warning("embedding cache %r: the %s store failed (%s on %s); inputs are computed as misses "
                            "until it answers again", self._cache, self.name, type(exc).__name__, op)
-        self._failing_until = asyncio.get_running_loop().time() + self._cool_down_s
+        self._failing_until = asyncio.get_running_loop().time() + COOL_DOWN_S
 
     def _answered(self) -> None:
         if self._failing_until is not None:
