@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
-from ray import serve
 
 from deployments import tokens
+from load.bench.serving import deployed
 from load.hashvec import matches
 from load.redis_process import RedisServer
 from load.upstream import RunningUpstream, UpstreamConfig, run_upstream
@@ -24,7 +23,7 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")]
 
 APP = "cached"
-PREFIX = "/cached"
+PREFIX = f"/{APP}"
 MODEL = "sim-embedding-cached"
 DIM = 384
 
@@ -59,11 +58,8 @@ def cached_app(serve_instance: Service, upstream: RunningUpstream, redis_server:
         }],
         "ingress": {"env_vars": {"EMBEDDINGS_API_KEYS": API_KEYS[0]}},
     }
-    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
-    try:
+    with deployed(serve_instance.url, {APP: build_app(args)}, MODEL):  # at /<APP>, deleted on exit
         yield serve_instance
-    finally:
-        serve.delete(APP)
 
 
 def test_a_repeated_text_costs_the_upstream_nothing(cached_app: Service, upstream: RunningUpstream) -> None:
