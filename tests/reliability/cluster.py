@@ -23,6 +23,7 @@ UPSTREAM_MODEL = "text-embedding-3-small"
 class Replica:
     name: str  # the actor's name, SERVE_REPLICA::<app>#<deployment>#<id>
     pid: int
+    node_id: str  # the Ray node it runs on
 
 
 def deploy(app_name: str, route_prefix: str, args: dict[str, Any]) -> None:
@@ -44,7 +45,7 @@ def model_handle(app_name: str, model: str):
 
 
 def replicas(app_name: str, deployment: str) -> list[Replica]:
-    """The live replicas of a deployment, with their process ids."""
+    """The live replicas of a deployment, with their process ids and nodes."""
     from ray._private import state
 
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
@@ -52,7 +53,7 @@ def replicas(app_name: str, deployment: str) -> list[Replica]:
     for actor in state.actors().values():
         name = actor.get("Name") or ""
         if name.startswith(prefix) and actor.get("State") == "ALIVE" and actor.get("Pid"):
-            found.append(Replica(name, int(actor["Pid"])))
+            found.append(Replica(name, int(actor["Pid"]), actor["Address"]["NodeID"]))
     return sorted(found, key=lambda replica: replica.name)
 
 

@@ -1,0 +1,286 @@
+"""The application of ``serve_config.cluster.yaml`` on a two-node Ray cluster, checked step by step.
+
+``python -m tests.cluster.multinode_check --report report.json`` starts its own cluster on this machine (two nodes of
+one CPU each, a Serve proxy on every node: ``load.multinode``), deploys the real application (the packaged
+all-MiniLM-L6-v2, offline) from the cluster config's own args, and checks, in order:
+
+1. ``deploy``: one model replica running (min_replicas is lowered to 1 here so that autoscaling has work to do);
+2. ``autoscaling``: under a queue deeper than the target, the queue-depth policy adds a replica, and it lands on the
+   node with a free CPU, so both nodes hold one;
+3. ``every_proxy``: requests through each node's own proxy port are answered, with the same vectors for the same texts;
+4. ``node_loss``: the worker node killed under load (requests spread over both proxies): no request hangs, each is
+   answered (a vector, or an error in OpenAI's shape) or its connection closed, and the head's proxy ends serving;
+5. ``replacement``: the lost replica waits for capacity, and once a node is added it starts there (whose proxy serves).
+
+Each step's outcome and figures go to the JSON report; the first failed step ends the run with exit status 1 and
+its message on stderr. The cluster is this process's own: it runs as a separate process because a process can be
+connected to one Ray cluster only, and the rest of the suite shares another (``serve_instance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+import aiohttp
+import numpy as np
+import yaml
+
+from load.loadgen import closed_loop, open_loop
+from load.multinode import ClusterNode, LocalCluster, local_cluster, wait_for_proxies
+from load.upstream_client import UpstreamClient, UpstreamError
+from load.workload import pseudo_sentences
+from tests.reliability import cluster as replicas_of
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_CONFIG = ROOT / "serve_config.cluster.yaml"
+APP_NAME = "embeddings"
+MODEL = "all-MiniLM-L6-v2"
+DEPLOYMENT = f"embed-{MODEL}"
+DIM = 384
+# The cluster config's autoscaling with delays of seconds (the reliability suite's CI timings), one replica to start
+# and a downscale that never comes within the run, so the lost replica is one the deployment still wants.
+CI_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "look_back_period_s": 2,
+                  "metrics_interval_s": 0.5, "downscale_delay_s": 600}
+TEXTS_PER_SCALING_REQUEST = 16  # 24 callers of 16 texts: ~6x the queue depth one replica's target allows
+SCALING_CALLERS = 24
+HANG_S = 30.0  # a request unanswered this long counts as hung
+REPLICA_START_TIMEOUT_S = 120.0  # a replica loads the model in 10-30 s on a busy 2-core machine
+LOSS_RATE_PER_S, LOSS_DURATION_S, KILL_AT_S = 16.0, 12.0, 3.0
+
+
+class CheckFailed(Exception):
+    """A step of the run did not hold; the message says what was seen."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    proxy: int  # the proxy port the request went to
+    kind: str  # ok | error (answered with an error status) | closed (connection refused or dropped) | hung
+    status: int | None = None
+    vector: Any = None
+
+
+def cluster_app_args() -> dict[str, Any]:
+    """``serve_config.cluster.yaml``'s application args, with ``CI_AUTOSCALING`` over each model's autoscaling."""
+    config = yaml.safe_load(CLUSTER_CONFIG.read_text())
+    (application,) = [app for app in config["applications"] if app["name"] == APP_NAME]
+    args = copy.deepcopy(application["args"])
+    for model in args["models"]:
+        model["autoscaling"] = {**model["autoscaling"], **CI_AUTOSCALING}
+    return args
+
+
+async def request(client: UpstreamClient, texts: list[str]) -> Outcome:
+    """One request and what became of it; never raises."""
+    port = int(client.root_url.rsplit(":", 1)[1])
+    try:
+        vectors = await client.embed(texts)
+    except UpstreamError as exc:
+        return Outcome(port, "error", exc.status)
+    except asyncio.TimeoutError:
+        return Outcome(port, "hung")
+    except aiohttp.ClientError:
+        return Outcome(port, "closed")
+    return Outcome(port, "ok", 200, vectors)
+
+
+def node_counts(nodes: Sequence[str]) -> dict[str, int]:
+    return {node[:8]: nodes.count(node) for node in sorted(set(nodes))}
+
+
+def replica_nodes() -> list[str]:
+    return [replica.node_id for replica in replicas_of.replicas(APP_NAME, DEPLOYMENT)]
+
+
+def replica_states() -> dict[str, int]:
+    """The model deployment's replicas by state, as Serve reports them (RUNNING, STARTING, ...)."""
+    from ray import serve
+
+    return dict(serve.status().applications[APP_NAME].deployments[DEPLOYMENT].replica_states)
+
+
+def wait_for_replicas(count: int) -> float:
+    return replicas_of.wait_for_running_replicas(APP_NAME, DEPLOYMENT, count, REPLICA_START_TIMEOUT_S)
+
+
+class Run:
+    """The steps, in order, on one cluster; ``report`` collects each step's figures."""
+
+    def __init__(self, cluster: LocalCluster, clients: dict[int, UpstreamClient], report: dict[str, Any]) -> None:
+        self.cluster = cluster
+        self.clients = clients
+        self.report = report
+
+    async def deploy(self) -> None:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        started = time.monotonic()
+        await asyncio.to_thread(serve.run, build_app(cluster_app_args()), name=APP_NAME, route_prefix="/")
+        await asyncio.to_thread(wait_for_proxies, [self.cluster.head])
+        nodes = replica_nodes()
+        self.report["deploy"] = {"seconds": round(time.monotonic() - started, 1), "replica_nodes": node_counts(nodes)}
+        if len(nodes) != 1:
+            raise CheckFailed(f"expected one model replica after deploy (min_replicas 1), found {len(nodes)}")
+
+    async def autoscaling(self) -> None:
+        (first,) = replica_nodes()
+        free = [node.node_id for node in self.cluster.nodes if node.node_id != first]
+        started = time.monotonic()
+        scaled = asyncio.create_task(asyncio.to_thread(wait_for_replicas, 2))
+        sent = 0
+        while not scaled.done():
+            keys = [f"scaling {sent + i}" for i in range(4 * SCALING_CALLERS)]
+            result = await closed_loop(self._spread(self._texts_of), keys, SCALING_CALLERS)
+            sent += result.submitted
+            if not any(outcome.kind == "ok" for outcome in result.vectors if outcome is not None):
+                raise CheckFailed(f"no scaling request was answered with vectors: {result.error_sample}")
+        try:
+            scaled.result()
+        except TimeoutError as exc:
+            raise CheckFailed(f"queue-depth autoscaling did not bring a second replica up: {exc}") from None
+        await asyncio.to_thread(wait_for_proxies, self.cluster.nodes)  # each node now holds a replica
+        nodes = replica_nodes()
+        added = [node for node in nodes if node != first]
+        self.report["autoscaling"] = {"seconds_to_second_replica": round(time.monotonic() - started, 1),
+                                      "requests_sent": sent, "replica_nodes": node_counts(nodes),
+                                      "new_replica_on_free_node": added == free}
+        if added != free:
+            raise CheckFailed(f"the new replica went to {node_counts(added)}, not the node with a free CPU "
+                              f"{node_counts(free)} (replicas per node: {node_counts(nodes)})")
+
+    async def every_proxy(self) -> None:
+        texts = pseudo_sentences(8, seed=1)
+        answers = {port: await request(client, texts) for port, client in self.clients.items()}
+        self.report["every_proxy"] = {str(port): outcome.kind for port, outcome in answers.items()}
+        failed = {port: (outcome.kind, outcome.status) for port, outcome in answers.items() if outcome.kind != "ok"}
+        if failed:
+            raise CheckFailed(f"a node's proxy did not serve: {failed}")
+        first, *others = (np.stack(outcome.vector) for outcome in answers.values())
+        if first.shape != (len(texts), DIM) or any(not np.allclose(first, other, atol=1e-5) for other in others):
+            raise CheckFailed("the proxies answered the same texts with different vectors")
+
+    async def node_loss(self) -> None:
+        victim = self.cluster.workers[0]
+        offsets = np.cumsum(np.random.default_rng(3).exponential(1 / LOSS_RATE_PER_S, 10_000))
+        offsets = offsets[offsets < LOSS_DURATION_S].tolist()
+        texts = pseudo_sentences(len(offsets), seed=2)
+        t0 = time.monotonic()
+
+        async def kill_later() -> float:
+            await asyncio.sleep(KILL_AT_S)
+            await asyncio.to_thread(self.cluster.kill_node, victim)
+            return time.monotonic() - t0
+
+        killer = asyncio.create_task(kill_later())
+        result = await open_loop(self._spread(lambda text: [text]), texts, offsets, LOSS_DURATION_S + 2 * HANG_S)
+        killed_at = await killer
+        outcomes: list[Outcome | None] = result.vectors
+        kinds = [outcome.kind if outcome is not None else "hung" for outcome in outcomes]
+        tally = {kind: kinds.count(kind) for kind in ("ok", "error", "closed", "hung")}
+        head = [(offset, outcome) for offset, outcome in zip(offsets, outcomes)
+                if outcome is not None and outcome.proxy == self.cluster.head.proxy_port]
+        tail = [outcome for offset, outcome in head if offset > LOSS_DURATION_S * 0.75]
+        self.report["node_loss"] = {
+            "requests": len(outcomes), "killed_at_s": round(killed_at, 2), "outcomes": tally,
+            "error_statuses": sorted({o.status for o in outcomes if o is not None and o.kind == "error"}),
+            "head_proxy_last_quarter": {"requests": len(tail), "ok": sum(o.kind == "ok" for o in tail)},
+        }
+        if tally["hung"] or result.backlog:
+            raise CheckFailed(f"{tally['hung'] + result.backlog} request(s) hung after the node was lost")
+        if not tail or any(outcome.kind != "ok" for outcome in tail):
+            raise CheckFailed(f"the surviving node's proxy was not serving by the end: {self.report['node_loss']}")
+
+    async def replacement(self) -> None:
+        alive = replica_nodes()
+        self.report["replacement"] = {"replica_states_before_node_added": await asyncio.to_thread(replica_states)}
+        if len(alive) != 1:
+            raise CheckFailed(f"with one node left, {len(alive)} model replicas are alive (expected 1)")
+        started = time.monotonic()
+        new = self.cluster.add_node()  # in the main thread: a node registers signal handlers
+        try:
+            await asyncio.to_thread(wait_for_replicas, 2)
+        except TimeoutError as exc:
+            raise CheckFailed(f"the lost replica was not replaced on the added node: {exc}") from None
+        await asyncio.to_thread(wait_for_proxies, [new])
+        nodes = replica_nodes()
+        async with UpstreamClient(new.proxy_url, model=MODEL, timeout_s=HANG_S) as client:
+            answer = await request(client, ["served by the added node's proxy"])
+        self.report["replacement"].update(seconds_after_node_added=round(time.monotonic() - started, 1),
+                                          replica_nodes=node_counts(nodes), added_node_proxy=answer.kind)
+        if new.node_id not in nodes:
+            raise CheckFailed(f"no replica on the added node: {node_counts(nodes)}")
+        if answer.kind != "ok":
+            raise CheckFailed(f"the added node's proxy did not serve: {answer}")
+
+    def _spread(self, texts_of: Callable[[str], list[str]]) -> Callable[[str], Awaitable[Outcome]]:
+        """An "embed one" for the load generators that sends each request to the next proxy in turn, like a load
+        balancer in front of the nodes."""
+        turns = itertools.cycle(self.clients.values())
+        return lambda key: request(next(turns), texts_of(key))
+
+    @staticmethod
+    def _texts_of(key: str) -> list[str]:
+        return [f"{key} text {i}" for i in range(TEXTS_PER_SCALING_REQUEST)]
+
+
+STEPS = ("deploy", "autoscaling", "every_proxy", "node_loss", "replacement")
+
+
+async def run_steps(cluster: LocalCluster, report: dict[str, Any]) -> None:
+    clients = {node.proxy_port: UpstreamClient(node.proxy_url, model=MODEL, timeout_s=HANG_S)
+               for node in cluster.nodes}
+    run = Run(cluster, clients, report)
+    for client in clients.values():
+        await client.__aenter__()
+    try:
+        for step in STEPS:
+            await getattr(run, step)()
+            report.setdefault("passed", []).append(step)
+            print(f"passed: {step} {report.get(step, '')}", file=sys.stderr, flush=True)
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.multinode_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", type=Path, required=True, help="where the JSON report goes")
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {"steps": list(STEPS)}
+    started = time.monotonic()
+    try:
+        with local_cluster(nodes=2) as cluster:
+            report["nodes"] = [asdict_node(node) for node in cluster.nodes]
+            asyncio.run(run_steps(cluster, report))
+    except CheckFailed as exc:
+        report["failed"] = str(exc)
+    except Exception:  # the run broke rather than a check failing: the report says where
+        report["failed"] = traceback.format_exc()
+    report["seconds"] = round(time.monotonic() - started, 1)
+    args.report.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    if "failed" in report:
+        print(f"multi-node check failed: {report['failed']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def asdict_node(node: ClusterNode) -> dict[str, Any]:
+    return {"node_id": node.node_id[:8], "proxy_port": node.proxy_port, "is_head": node.is_head}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
