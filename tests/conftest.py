@@ -1,7 +1,9 @@
-"""What every suite shares: one Ray instance and one Serve HTTP proxy for the whole pytest session.
+"""What every suite shares: one Ray instance and one Serve HTTP proxy for the whole pytest session, and the
+application from ``serve_config.yaml`` on it.
 
-Starting Ray costs ~10 s on two cores, so ``tests/integration`` and ``tests/reliability`` deploy their applications
-beside each other on this one instance. It is started only when a test asks for it (the unit tests never do).
+Starting Ray costs ~10 s on two cores and an application tens of seconds more, so ``tests/integration`` and
+``tests/reliability`` use one default application, built with its own builder once, and deploy their other
+applications beside it. Both are started only when a test asks for them (the unit tests never do).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.integration.helpers import Service, start_ray_and_serve, stop_ray_and_serve
+from tests.integration.helpers import (APP_NAME, MODEL, Service, default_app_args, start_ray_and_serve,
+                                       stop_ray_and_serve)
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +23,20 @@ def serve_instance() -> Iterator[Service]:
         yield service
     finally:
         stop_ray_and_serve()
+
+
+@pytest.fixture(scope="session")
+def embeddings_app(serve_instance: Service) -> Service:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(default_app_args()), name=APP_NAME, route_prefix="/")
+    return serve_instance
+
+
+@pytest.fixture(scope="session")
+def model_handle(embeddings_app: Service):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"embed-{MODEL}", app_name=APP_NAME)

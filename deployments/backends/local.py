@@ -6,7 +6,10 @@ truncates), its cost the word pieces among them. ``embed`` pads those ids into b
 or ``onnx``, see ``engines.py``).
 
 Two worker threads, so the replica's event loop never computes: one tokenizes (so a request is counted at once,
-never behind a running batch), one runs the model. Token-id input (cl100k_base, what LangChain's
+never behind a running batch), one runs the model. The model's thread, and the engine threads it starts, run at
+the lowest CPU priority (nice 19): on a machine the model keeps busy, the cheap work that moves requests (HAProxy,
+the ingress, this replica's event loop) then gets a core the moment it needs one, instead of queueing behind a
+batch; when nothing else wants the CPU the model still gets all of it. Token-id input (cl100k_base, what LangChain's
 ``OpenAIEmbeddings`` sends) is decoded to text offline and prepared as that text.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Hashable, Sequence, TypeVar
@@ -27,6 +31,7 @@ from .model_dir import ModelDir, packaged_model_path
 from .wordpieces import BoundedTokenizer
 
 T = TypeVar("T")
+LOWEST_PRIORITY = 19
 
 
 class LocalBackend(EmbeddingBackend):
@@ -46,12 +51,15 @@ class LocalBackend(EmbeddingBackend):
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
-        self.engine = make_engine(engine, self.model, threads=self.threads, onnx_cache_dir=onnx_cache_dir,
-                                  onnx_optimize=onnx_optimize)
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed")
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed",
+                                                initializer=_lowest_cpu_priority)
+        # Built on the model's thread, so the engine's own threads inherit its priority.
+        self.engine = self._model_thread.submit(
+            make_engine, engine, self.model, threads=self.threads, onnx_cache_dir=onnx_cache_dir,
+            onnx_optimize=onnx_optimize).result()
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-tokenize")
         if warm_up:
-            self._embed_now(self.wordpieces.encode_many(["warm up"]))
+            self._model_thread.submit(self._embed_now, self.wordpieces.encode_many(["warm up"])).result()
 
     @property
     def dimension(self) -> int:
@@ -100,6 +108,11 @@ class LocalBackend(EmbeddingBackend):
 
     def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id))
+
+
+def _lowest_cpu_priority() -> None:
+    """Nice 19 for the calling thread (Linux keeps a nice value per thread; threads it starts inherit it)."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
 
 def _fill(outcomes: list[T | None], results: Sequence[T]) -> list[T]:

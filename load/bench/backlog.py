@@ -11,6 +11,11 @@ taken here. Cases (``--cases``, default all):
   Target: no answer of any status later than 2.25 s.
 - ``long-input``: a 500,000-character text sent 20 times, one after another, beside 4 connections of small
   requests. Targets: no answer but 200, no small request slower than 1 s, model replica RSS growth under 300 MB.
+- ``scale``: the ``low-flood`` load until the autoscaler has added a replica and ``seconds`` after, then the HIGH
+  stream alone until it has removed one (at most ``settle_seconds``). Target: both seen, and no answer of 5xx
+  (nor a failed connection) at any point.
+
+Replicas are counted and measured from ``/proc`` (the service must run on this machine).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import aiohttp
 
@@ -34,8 +39,8 @@ from .report import machine_info, markdown_table, write_results
 MODEL = "all-MiniLM-L6-v2"
 DEADLINE_S = 2.0
 ON_TIME_S = 2.25
-MODEL_REPLICA = f"ServeReplica:embeddings:embed-{MODEL}"
-CASES = ("low-flood", "deadline-flood", "long-input")
+APP = "embeddings"
+CASES = ("low-flood", "deadline-flood", "long-input", "scale")
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,18 @@ class Settings:
     long_chars: int = 500_000
     long_requests: int = 20
     small_connections: int = 4
+    settle_seconds: float = 240.0  # the shipped config scales down after 120 s without a backlog
+    model: str = MODEL
+    app: str = APP
+
+    @property
+    def model_replica(self) -> str:
+        """What a model replica's process title holds."""
+        return f"ServeReplica:{self.app}:embed-{self.model}"
 
 
 QUICK = Settings(seconds=4.0, calm_seconds=2.0, low_connections=8, deadline_connections=24, long_chars=100_000,
-                 long_requests=3)
+                 long_requests=3, settle_seconds=60.0)
 
 
 @dataclass
@@ -67,25 +80,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running service (default: start the shipped one)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--seconds", type=float, help=f"length of each flood (default {Settings.seconds:g})")
+    parser.add_argument("--model", default=MODEL, help=f"the model to embed with (default {MODEL})")
+    parser.add_argument("--app", default=APP, help=f"the Serve application serving it (default {APP})")
+    parser.add_argument("--api-key", help="sent as `Authorization: Bearer <key>`")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = QUICK if args.quick else Settings()
+    settings = replace(settings, model=args.model, app=args.app)
     if args.seconds:
         settings = replace(settings, seconds=args.seconds)
     cases = [case.strip() for case in args.cases.split(",") if case.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.url:
-        return asyncio.run(measure(args.url, settings, cases, getattr(args, "results_dir", None)))
+        return asyncio.run(measure(args.url, settings, cases, getattr(args, "results_dir", None), headers))
     from .peers import SERVICE, packaged_model_path
     from load.peers.launch import DEFAULT_PEERS_DIR, running
 
     with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as url:
-        return asyncio.run(measure(url, settings, cases, getattr(args, "results_dir", None)))
+        return asyncio.run(measure(url, settings, cases, getattr(args, "results_dir", None), headers))
 
 
-async def measure(url: str, settings: Settings, cases: Sequence[str], results_dir: Path | None = None) -> dict[str, Any]:
+async def measure(url: str, settings: Settings, cases: Sequence[str], results_dir: Path | None = None,
+                  headers: dict[str, str] | None = None) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(f"{url.rstrip('/')}", connector=connector,
+    async with aiohttp.ClientSession(url.rstrip("/") + "/", connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         texts = iter(pseudo_sentences(200_000, 120, seed=int(time.time())))
         results = {}
@@ -98,15 +120,15 @@ async def measure(url: str, settings: Settings, cases: Sequence[str], results_di
     return data
 
 
-async def _post(session: aiohttp.ClientSession, kind: str, inputs: list[str], answers: list[Answer],
+async def _post(session: aiohttp.ClientSession, model: str, kind: str, inputs: list[str], answers: list[Answer],
                 priority: str = "high", timeout_s: float | None = None) -> Answer:
     headers = {"X-Priority": priority}
     if timeout_s is not None:
         headers["X-Request-Timeout"] = f"{timeout_s:g}"
-    body = {"model": MODEL, "input": inputs, "encoding_format": "base64"}
+    body = {"model": model, "input": inputs, "encoding_format": "base64"}
     started = time.perf_counter()
     try:
-        async with session.post("/v1/embeddings", json=body, headers=headers) as response:
+        async with session.post("v1/embeddings", json=body, headers=headers) as response:
             await response.read()
             status = response.status
     except aiohttp.ClientError:
@@ -116,78 +138,137 @@ async def _post(session: aiohttp.ClientSession, kind: str, inputs: list[str], an
     return answer
 
 
-async def _back_to_back(stop_at: float, send) -> None:
-    while time.perf_counter() < stop_at:
+Until = Callable[[], bool]  # when a stream stops
+
+
+def _for(seconds: float) -> Until:
+    stop_at = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= stop_at
+
+
+async def _back_to_back(until: Until, send) -> None:
+    while not until():
         await send()
 
 
-async def _poisson(stop_at: float, rate: float, send) -> None:
+async def _poisson(until: Until, rate: float, send) -> None:
     calls = []
     rng = random.Random(1)
-    while (now := time.perf_counter()) < stop_at:
+    while not until():
         calls.append(asyncio.ensure_future(send()))
         await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*calls)
 
 
+class Load:
+    """The requests every case sends, each answer recorded in ``answers``."""
+
+    def __init__(self, session: aiohttp.ClientSession, texts: Iterator[str], settings: Settings) -> None:
+        self.session, self.texts, self.settings = session, texts, settings
+        self.answers: list[Answer] = []
+
+    def send(self, kind: str, inputs: list[str], priority: str = "high", timeout_s: float | None = None):
+        return _post(self.session, self.settings.model, kind, inputs, self.answers, priority, timeout_s)
+
+    def high(self) -> Any:
+        return self.send("high", [next(self.texts)], timeout_s=DEADLINE_S)
+
+    def low(self) -> Any:
+        return self.send("low", [next(self.texts) for _ in range(self.settings.low_inputs)], priority="low")
+
+    async def high_stream(self, until: Until) -> None:
+        await _poisson(until, self.settings.high_rate, self.high)
+
+    async def low_flood(self, until: Until) -> None:
+        """The LOW bulk flood beside the HIGH stream."""
+        await asyncio.gather(self.high_stream(until),
+                             *(_back_to_back(until, self.low) for _ in range(self.settings.low_connections)))
+
+    def of(self, kind: str) -> list[Answer]:
+        return [a for a in self.answers if a.kind == kind]
+
+
 async def low_flood(session, texts, settings: Settings) -> dict[str, Any]:
-    calm: list[Answer] = []
-    high = lambda answers: lambda: _post(session, "high", [next(texts)], answers, timeout_s=DEADLINE_S)  # noqa: E731
-    await _poisson(time.perf_counter() + settings.calm_seconds, settings.high_rate, high(calm))
-    answers: list[Answer] = []
-    stop_at = time.perf_counter() + settings.seconds
-    low = lambda: _post(session, "low", [next(texts) for _ in range(settings.low_inputs)], answers,  # noqa: E731
-                        priority="low")
-    await asyncio.gather(_poisson(stop_at, settings.high_rate, high(answers)),
-                         *(_back_to_back(stop_at, low) for _ in range(settings.low_connections)))
-    flood_high = [a for a in answers if a.kind == "high"]
+    calm = Load(session, texts, settings)
+    await calm.high_stream(_for(settings.calm_seconds))
+    flood = Load(session, texts, settings)
+    await flood.low_flood(_for(settings.seconds))
+    flood_high = flood.of("high")
     on_time = sum(1 for a in flood_high if a.status == 200 and a.latency_s <= ON_TIME_S)
     share = on_time / len(flood_high) if flood_high else 0.0
     return {
-        "calm": summary(calm), "high": summary(flood_high), "low": summary([a for a in answers if a.kind == "low"]),
+        "calm": summary(calm.answers), "high": summary(flood_high), "low": summary(flood.of("low")),
         "high_on_time_share": share, "target_met": share >= 0.99,
-        "p99_ratio": _ratio(summary(flood_high)["p99_ms"], summary(calm)["p99_ms"]),
+        "p99_ratio": _ratio(summary(flood_high)["p99_ms"], summary(calm.answers)["p99_ms"]),
     }
 
 
 async def deadline_flood(session, texts, settings: Settings) -> dict[str, Any]:
-    answers: list[Answer] = []
-    stop_at = time.perf_counter() + settings.seconds
-    one = lambda: _post(session, "single", [next(texts)], answers, timeout_s=DEADLINE_S)  # noqa: E731
-    await asyncio.gather(*(_back_to_back(stop_at, one) for _ in range(settings.deadline_connections)))
-    result = summary(answers)
+    load = Load(session, texts, settings)
+    until = _for(settings.seconds)
+    one = lambda: load.send("single", [next(texts)], timeout_s=DEADLINE_S)  # noqa: E731
+    await asyncio.gather(*(_back_to_back(until, one) for _ in range(settings.deadline_connections)))
+    result = summary(load.answers)
     return {**result, "target_met": result["max_ms"] is not None and result["max_ms"] <= ON_TIME_S * 1000}
 
 
 async def long_input(session, texts, settings: Settings) -> dict[str, Any]:
-    rss_before = replica_rss_mb()
-    answers: list[Answer] = []
+    rss_before = replica_rss_mb(settings.model_replica)
+    load = Load(session, texts, settings)
     done = asyncio.Event()
     long_text = " ".join(next(texts) for _ in range(settings.long_chars // 100))[:settings.long_chars]
 
     async def longs() -> None:
         for _ in range(settings.long_requests):
-            await _post(session, "long", [long_text], answers)
+            await load.send("long", [long_text])
         done.set()
 
     async def smalls() -> None:
         while not done.is_set():
-            await _post(session, "small", [next(texts)], answers)
+            await load.send("small", [next(texts)])
 
     await asyncio.gather(longs(), *(smalls() for _ in range(settings.small_connections)))
-    rss_after = replica_rss_mb()
-    small = [a for a in answers if a.kind == "small"]
+    rss_after = replica_rss_mb(settings.model_replica)
+    small = load.of("small")
     growth = None if rss_before is None or rss_after is None else rss_after - rss_before
-    non_200 = sum(1 for a in answers if a.status != 200)
+    non_200 = sum(1 for a in load.answers if a.status != 200)
     slowest_small = max((a.latency_s for a in small), default=0.0)
     return {
-        "long": summary([a for a in answers if a.kind == "long"]), "small": summary(small),
+        "long": summary(load.of("long")), "small": summary(small),
         "non_200": non_200, "rss_before_mb": rss_before, "rss_after_mb": rss_after, "rss_growth_mb": growth,
         "target_met": non_200 == 0 and slowest_small <= 1.0 and growth is not None and growth < 300,
     }
 
 
-CASE_RUNNERS = {"low-flood": low_flood, "deadline-flood": deadline_flood, "long-input": long_input}
+async def scale(session, texts, settings: Settings) -> dict[str, Any]:
+    started = time.perf_counter()
+    replicas_before = len(replica_pids(settings.model_replica))
+    seen: dict[str, float | None] = {"up": None, "down": None}
+
+    def replicas_reached(count: int, event: str) -> bool:
+        if seen[event] is None and len(replica_pids(settings.model_replica)) == count:
+            seen[event] = round(time.perf_counter() - started, 1)
+        return seen[event] is not None
+
+    def flood_done() -> bool:  # the flood goes on `seconds` past the scale-up (or ends at settle_seconds without it)
+        up = replicas_reached(replicas_before + 1, "up")
+        elapsed = time.perf_counter() - started
+        return elapsed >= settings.settle_seconds or (up and elapsed >= seen["up"] + settings.seconds)
+
+    load = Load(session, texts, settings)
+    await load.low_flood(flood_done)
+    flood_ended = round(time.perf_counter() - started, 1)
+    settle_by = time.perf_counter() + settings.settle_seconds
+    await load.high_stream(lambda: replicas_reached(replicas_before, "down") or time.perf_counter() >= settle_by)
+    failed = sum(1 for a in load.answers if a.status >= 500 or a.status == 0)
+    return {
+        "replicas_before": replicas_before, "scaled_up_after_s": seen["up"], "flood_ended_after_s": flood_ended,
+        "scaled_down_after_s": seen["down"], "high": summary(load.of("high")), "low": summary(load.of("low")),
+        "failed": failed, "target_met": failed == 0 and None not in seen.values(),
+    }
+
+
+CASE_RUNNERS = {"low-flood": low_flood, "deadline-flood": deadline_flood, "long-input": long_input, "scale": scale}
 
 
 def summary(answers: Sequence[Answer]) -> dict[str, Any]:
@@ -200,16 +281,24 @@ def summary(answers: Sequence[Answer]) -> dict[str, Any]:
             "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": max(latencies, default=None)}
 
 
-def replica_rss_mb() -> float | None:
+def replica_pids(title: str) -> list[int]:
+    """The processes whose command line holds ``title`` (Ray names a replica's process after it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and title in (entry / "cmdline").read_bytes().decode("utf-8", "replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def replica_rss_mb(title: str) -> float | None:
     """Resident memory of the model replica's process (the largest if several), from /proc."""
     sizes = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in replica_pids(title):
         try:
-            if MODEL_REPLICA not in (entry / "cmdline").read_bytes().decode("utf-8", "replace"):
-                continue
-            status = (entry / "status").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         kilobytes = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
@@ -245,6 +334,10 @@ def render(data: dict[str, Any]) -> str:
                      f"flood / calm: {result['p99_ratio']:.2f}×" if result["p99_ratio"] else "")
         if case == "long-input":
             extra = f" — non-200: {result['non_200']}, replica RSS growth: {result['rss_growth_mb']} MB"
+        if case == "scale":
+            extra = (f" — replicas {result['replicas_before']} → +1 after {result['scaled_up_after_s']} s, flood "
+                     f"ended at {result['flood_ended_after_s']} s, back to {result['replicas_before']} after "
+                     f"{result['scaled_down_after_s']} s; 5xx or failed connections: {result['failed']}")
         verdicts.append(f"- `{case}`: {'met' if result['target_met'] else '**not met**'}{extra}")
     s = data["settings"]
     return f"""\
@@ -253,7 +346,7 @@ Service at `{data['url']}`; load from one client process (aiohttp), statuses and
 single texts at {s['high_rate']:g}/s with `X-Request-Timeout: {DEADLINE_S:g}` (calm: the HIGH stream alone for \
 {s['calm_seconds']:g} s); `deadline-flood` {s['deadline_connections']} connections of single texts with \
 `X-Request-Timeout: {DEADLINE_S:g}`; `long-input` a {s['long_chars']:,}-character text × {s['long_requests']} beside \
-{s['small_connections']} connections of small requests. Status 0 = the connection failed.
+{s['small_connections']} connections of small requests; `scale` the `low-flood` load until a replica was added and {s['seconds']:g} s more, then the HIGH stream alone until one was removed. Status 0 = the connection failed.
 
 {table}
 

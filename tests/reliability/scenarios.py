@@ -64,6 +64,7 @@ FAULTS_UPSTREAM = dict(base_latency_ms=20, per_token_ms=0.02, jitter=0.2, max_co
                        max_input_tokens=UPSTREAM_MAX_INPUT_TOKENS, api_key=UPSTREAM_KEY)
 OVERLOAD_UPSTREAM = dict(base_latency_ms=100, per_token_ms=0, jitter=0, max_concurrency=4, slow_marker=SLOW)
 CHURN_UPSTREAM = dict(base_latency_ms=60, per_token_ms=0, jitter=0.1, max_concurrency=16)
+SCALE_UPSTREAM = dict(base_latency_ms=100, per_token_ms=0, jitter=0.1, max_concurrency=16)
 
 
 def write_secrets(directory: Path) -> dict[str, Path]:
@@ -118,6 +119,17 @@ def overload_app_args(upstream: RunningUpstream) -> dict[str, Any]:
 def churn_app_args(upstream: RunningUpstream, replicas: int) -> dict[str, Any]:
     batching = {"max_batch_size": 16, "max_wait_ms": 25, "max_concurrent_batches": 2, "max_retries": 2}
     return {"models": [_openai_model("rel-churn", upstream, batching, num_replicas=replicas)]}
+
+
+def scale_app_args(upstream: RunningUpstream, name: str) -> dict[str, Any]:
+    """One replica that a LOW flood of a few connections outgrows, and autoscaling quick enough for CI: the queue-
+    depth policy of serve_config.yaml with delays of seconds instead of minutes."""
+    batching = {"max_batch_size": 8, "max_wait_ms": 25, "max_concurrent_batches": 1}
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 6,
+                   "look_back_period_s": 2,
+                   "policy": {"policy_function": "deployments.autoscaling:QueueDepthPolicy",
+                              "policy_kwargs": {"target_queue_depth_per_replica": 32}}}
+    return {"models": [_openai_model(name, upstream, batching, autoscaling=autoscaling)]}
 
 
 # ---- results ------------------------------------------------------------------------------------------------------

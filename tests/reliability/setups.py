@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Iterator
 
 from . import cluster
-from .scenarios import (CHURN_UPSTREAM, CLIENT_KEYS, FAULTS_UPSTREAM, OVERLOAD_UPSTREAM, Target, churn_app_args,
-                        faults_app_args, overload_app_args, write_secrets)
+from .scenarios import (CHURN_UPSTREAM, CLIENT_KEYS, FAULTS_UPSTREAM, OVERLOAD_UPSTREAM, SCALE_UPSTREAM, Target,
+                        churn_app_args, faults_app_args, overload_app_args, scale_app_args, write_secrets)
 from .upstream_process import upstream_process
 
-FAULTS_APP, OVERLOAD_APP, CHURN_APP = "rel-faults", "rel-overload", "rel-churn"
+FAULTS_APP, OVERLOAD_APP, CHURN_APP, SCALE_APP = "rel-faults", "rel-overload", "rel-churn", "rel-scale"
 
 
 @contextmanager
@@ -48,3 +48,15 @@ def churn_target(service_url: str, replicas: int = 2) -> Iterator[Target]:
             yield Target(service_url, CHURN_APP, f"/{CHURN_APP}", "rel-churn", upstream, None, args)
         finally:
             cluster.delete(CHURN_APP)
+
+
+@contextmanager
+def scale_target(service_url: str) -> Iterator[Target]:
+    """``rel-scale``: one autoscaling replica in front of a 100 ms upstream (its model is named as the app is)."""
+    with upstream_process(**SCALE_UPSTREAM) as upstream:
+        args = scale_app_args(upstream, SCALE_APP)
+        cluster.deploy(SCALE_APP, f"/{SCALE_APP}", args)
+        try:
+            yield Target(service_url, SCALE_APP, f"/{SCALE_APP}", SCALE_APP, upstream, None, args)
+        finally:
+            cluster.delete(SCALE_APP)
