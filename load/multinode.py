@@ -13,6 +13,7 @@ host. On separate machines every proxy binds the same ``http_options.port``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -22,10 +23,13 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 HOST = "127.0.0.1"
+T = TypeVar("T")
+R = TypeVar("R")
 WORKER_PROXY_PORT_ENV = "RAY_SERVE_WORKER_PROXY_HTTP_PORT"
+RAY_TMPDIR_ENV = "RAY_TMPDIR"
 # Node liveness: checked every 500 ms, dead after 4 missed checks (Ray's defaults take ~15 s to declare it).
 FAST_NODE_FAILURE_DETECTION = {
     "health_check_initial_delay_ms": 0,
@@ -115,6 +119,13 @@ class LocalCluster:
         return node
 
 
+def spread(calls: Sequence[Callable[[T], Awaitable[R]]]) -> Callable[[T], Awaitable[R]]:
+    """One call that hands each use to the next of ``calls`` in turn, as a load balancer in front of the nodes'
+    proxies would (e.g. each node's ``UpstreamClient.embed_one``)."""
+    turns = itertools.cycle(calls)
+    return lambda argument: next(turns)(argument)
+
+
 def wait_for_proxies(nodes: Sequence[ClusterNode], timeout_s: float = 60.0) -> float:
     """Seconds until each node's proxy answers its health check; ``TimeoutError`` if one does not in time.
 
@@ -143,19 +154,21 @@ def _answers(url: str) -> bool:
 def local_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[LocalCluster]:
     """A fresh cluster of ``nodes`` nodes with Serve started on it (a proxy on every node); connected as driver.
 
-    Everything is stopped and the temporary directory removed on exit."""
+    Everything is stopped, the temporary directory removed and ``RAY_TMPDIR`` restored on exit."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # the raylets, and so the replicas, inherit it: never reach for a model hub
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     import ray
     from ray import serve
 
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp"))  # short: Ray's socket paths live under it
+    (temp_dir / "ray").mkdir()
     # Ray records the newest cluster's address in $RAY_TMPDIR/ray/ray_current_cluster, where a plain ray.init()
     # elsewhere on the machine would find it and connect: keep that record inside this cluster's own directory.
-    os.environ["RAY_TMPDIR"] = str(temp_dir)
-    (temp_dir / "ray").mkdir()
-    cluster = LocalCluster(cpus_per_node, temp_dir)
+    previous_tmpdir = os.environ.get(RAY_TMPDIR_ENV)
+    os.environ[RAY_TMPDIR_ENV] = str(temp_dir)
+    cluster: LocalCluster | None = None
     try:
+        cluster = LocalCluster(cpus_per_node, temp_dir)
         for _ in range(nodes - 1):
             cluster.add_node()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
@@ -167,5 +180,10 @@ def local_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[LocalCluster]:
                 serve.shutdown()
                 ray.shutdown()
         finally:
-            cluster.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+            if previous_tmpdir is None:
+                os.environ.pop(RAY_TMPDIR_ENV, None)
+            else:
+                os.environ[RAY_TMPDIR_ENV] = previous_tmpdir

@@ -23,6 +23,7 @@ SCENARIOS: dict[str, str] = {
     "bulk-rerun": "load.bench.bulk_rerun",
     "backlog": "load.bench.backlog",
     "peers": "load.bench.peers",
+    "cluster": "load.bench.cluster",
 }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import itertools
+import functools
 import json
 import sys
 import time
@@ -36,7 +36,7 @@ import numpy as np
 import yaml
 
 from load.loadgen import closed_loop, open_loop
-from load.multinode import ClusterNode, LocalCluster, local_cluster, wait_for_proxies
+from load.multinode import ClusterNode, LocalCluster, local_cluster, spread, wait_for_proxies
 from load.upstream_client import UpstreamClient, UpstreamError
 from load.workload import pseudo_sentences
 from tests.reliability import cluster as replicas_of
@@ -225,14 +225,16 @@ class Run:
             raise CheckFailed(f"the added node's proxy did not serve: {answer}")
 
     def _spread(self, texts_of: Callable[[str], list[str]]) -> Callable[[str], Awaitable[Outcome]]:
-        """An "embed one" for the load generators that sends each request to the next proxy in turn, like a load
-        balancer in front of the nodes."""
-        turns = itertools.cycle(self.clients.values())
-        return lambda key: request(next(turns), texts_of(key))
+        """An "embed one" for the load generators: each request to the next node's proxy in turn."""
+        return spread([functools.partial(_request_texts_of, client, texts_of) for client in self.clients.values()])
 
     @staticmethod
     def _texts_of(key: str) -> list[str]:
         return [f"{key} text {i}" for i in range(TEXTS_PER_SCALING_REQUEST)]
+
+
+async def _request_texts_of(client: UpstreamClient, texts_of: Callable[[str], list[str]], key: str) -> Outcome:
+    return await request(client, texts_of(key))
 
 
 STEPS = ("deploy", "autoscaling", "every_proxy", "node_loss", "replacement")
