@@ -22,9 +22,11 @@ logger = logging.getLogger("ray.serve")
 # meanwhile the survivors carry the load. A model's health check is a no-op call, so check often.
 MODEL_HEALTH_CHECK_PERIOD_S = 2.0
 # A replica being removed (scale-down, redeploy) gets no new requests and answers every one it holds before it stops;
-# Serve kills it after this long. A full queue (max_queue_depth, 10,000 items by default) drains well within it at
-# the ~150 items/s or more that either backend sustains on two cores; Serve's default, 20 s, cut drains short.
-MODEL_GRACEFUL_SHUTDOWN_S = 120.0
+# Serve kills it after graceful_shutdown_timeout_s, so that is sized from the queue: twice the time a full one
+# (max_queue_depth items) takes at DRAIN_FLOOR_ITEMS_PER_S, less than either backend sustains on two cores. Serve's
+# default, 20 s, cut drains short and is the least.
+DRAIN_FLOOR_ITEMS_PER_S = 150.0
+MIN_GRACEFUL_SHUTDOWN_S = 20.0
 # Serve logs a line per request on every replica by default. Written by the event loop that serves the requests, it
 # cost the ingress ~14% of its loop under a flood. The same facts are Serve's request metrics (count, status, latency
 # per route). To see them again, give the deployment `logging_config: {enable_access_log: true}` in the application's
@@ -50,7 +52,7 @@ def model_deployment_options(model: ModelConfig) -> dict[str, Any]:
         "max_ongoing_requests": model.effective_max_ongoing_requests,
         "max_queued_requests": model.effective_max_queued_requests,
         "health_check_period_s": MODEL_HEALTH_CHECK_PERIOD_S,
-        "graceful_shutdown_timeout_s": MODEL_GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_timeout_s": graceful_shutdown_s(model),
         "max_surge_percent": model.effective_max_surge_percent,
         "ray_actor_options": model.effective_ray_actor_options,
         "logging_config": QUIET_LOGS,
@@ -60,6 +62,11 @@ def model_deployment_options(model: ModelConfig) -> dict[str, Any]:
     else:
         options["num_replicas"] = model.num_replicas or 1
     return options
+
+
+def graceful_shutdown_s(model: ModelConfig) -> float:
+    """How long a replica being removed may take to answer what it holds (10,000 queued items: 133 s)."""
+    return max(MIN_GRACEFUL_SHUTDOWN_S, 2 * model.batcher.max_queue_depth / DRAIN_FLOOR_ITEMS_PER_S)
 
 
 def bind_model(model: ModelConfig) -> Application:

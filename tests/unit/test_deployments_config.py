@@ -93,6 +93,15 @@ def test_max_ongoing_requests_lets_batches_fill_and_the_queue_fill_up() -> None:
     assert model_deployment_options(small_queue)["max_queued_requests"] == 256
 
 
+def test_a_replica_being_removed_has_time_to_drain_a_full_queue() -> None:
+    default = ModelConfig(name="m", backend="local")
+    assert model_deployment_options(default)["graceful_shutdown_timeout_s"] == pytest.approx(2 * 10_000 / 150)
+    deep = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_queue_depth=60_000))
+    assert model_deployment_options(deep)["graceful_shutdown_timeout_s"] == pytest.approx(800)
+    shallow = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_queue_depth=100))
+    assert model_deployment_options(shallow)["graceful_shutdown_timeout_s"] == 20  # never below Serve's default
+
+
 def test_a_too_low_max_ongoing_requests_is_raised_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     model = ModelConfig(name="m", backend="local", batcher=BatcherConfig(max_batch_size=64, max_concurrent_batches=2),
                         max_ongoing_requests=10)
