@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -24,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
+
+from load.bench.upstream_process import free_port
 
 HOST = "127.0.0.1"
 T = TypeVar("T")
@@ -37,12 +38,6 @@ FAST_NODE_FAILURE_DETECTION = {
     "health_check_timeout_ms": 500,
     "health_check_failure_threshold": 4,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))  # free on every interface: Ray binds its own ports on the node's address
-        return probe.getsockname()[1]
 
 
 @dataclass(frozen=True)

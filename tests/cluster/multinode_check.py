@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         with local_cluster(nodes=2) as cluster:
-            report["nodes"] = [asdict_node(node) for node in cluster.nodes]
+            report["nodes"] = [node_summary(node) for node in cluster.nodes]
             asyncio.run(run_steps(cluster, report))
     except CheckFailed as exc:
         report["failed"] = str(exc)
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def asdict_node(node: ClusterNode) -> dict[str, Any]:
+def node_summary(node: ClusterNode) -> dict[str, Any]:
     return {"node_id": node.node_id[:8], "proxy_port": node.proxy_port, "is_head": node.is_head}
 
 
