@@ -8,7 +8,7 @@ simulated upstream (its own process): ``adaptive`` (max_batch 200, max_wait 25 m
    ``--unbatched-documents`` documents (all 100,000 take over 8 minutes: the time for all is projected from the
    measured rate and said to be a projection);
 2. a HIGH stream alone: single-text requests with ``X-Priority: high``, Poisson arrivals, to ``adaptive``;
-3. the bulk job alone: ``python -m load.bulk`` (the ``embed-bulk`` a user runs, in its own process) over all the
+3. the bulk job alone: ``python -m embed_bulk`` (the ``embed-bulk`` a user runs, in its own process) over all the
    documents, ``X-Priority: low``, to ``adaptive``; wall time from launch to exit, upstream calls from the
    upstream's counters;
 4. the bulk job again with the same HIGH stream running from its first upstream call to its exit;
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from load.bulk.settings import BulkSettings
+from embed_bulk.settings import BulkSettings
 from load.loadgen import RunResult, check, closed_loop, count_mismatches, open_loop
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
@@ -168,12 +168,12 @@ async def bulk_job(url: str, upstream: UpstreamClient, documents: Sequence[str],
                    settings: Settings, dim: int, *, stream_texts: Sequence[str] | None = None,
                    stream_url: str | None = None, priority: str = "low",
                    max_rate: float | None = None) -> dict[str, Any]:
-    """``python -m load.bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream (to
+    """``python -m embed_bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream (to
     ``stream_url``, by default the job's own ``url``) runs from the job's first upstream call until it exits."""
     await upstream.wait_idle()
     output_path = input_path.with_name(f"vectors-{time.monotonic_ns()}.npy")
     before = (await upstream.stats())["calls"]
-    command = [sys.executable, "-m", "load.bulk", str(input_path), str(output_path), "--base-url", f"{url}/v1",
+    command = [sys.executable, "-m", "embed_bulk", str(input_path), str(output_path), "--base-url", f"{url}/v1",
                "--model", MODEL, "--priority", priority, "--concurrency", str(settings.job_concurrency),
                "--batch-size", str(settings.job_batch_size), "--progress", "never"]
     if max_rate is not None:
@@ -291,7 +291,7 @@ def render(data: dict[str, Any]) -> str:
     return f"""\
 {settings['documents']:,} generated documents (~{settings['mean_chars']} characters). Upstream in its own process: \
 base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, jitter {upstream['jitter']:g}, \
-provider concurrency {upstream['max_concurrency']}. The bulk job is `python -m load.bulk` (`embed-bulk`) with \
+provider concurrency {upstream['max_concurrency']}. The bulk job is `python -m embed_bulk` (`embed-bulk`) with \
 `--concurrency {settings['job_concurrency']} --batch-size {settings['job_batch_size']}`, writing `.npy`; its wall \
 time runs from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash.
 

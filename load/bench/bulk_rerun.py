@@ -4,7 +4,7 @@ One Ray cluster runs one copy of the application per store (``none``: no cache, 
 temporary directory, ``redis``: a throwaway ``redis-server`` on a free loopback port, its URL read from a file as
 the service reads secrets), each with one replica of the ``openai`` backend pointed at the simulated upstream (its
 own process), batched as in ``bulk``. For each store, one after another: night 1 embeds every document with
-``python -m load.bulk`` (``embed-bulk``, unchanged, at LOW priority) into a fresh ``.npy``; night 2 embeds the next
+``python -m embed_bulk`` (``embed-bulk``, unchanged, at LOW priority) into a fresh ``.npy``; night 2 embeds the next
 night's corpus — the same documents with ``--edited-share`` of them edited (one word changed) and
 ``--added-share`` more appended — into another fresh file. Each night reports its wall time (launch to exit), the
 upstream calls and the tokens the upstream billed; every output row is checked against its document's hash.
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from load.bulk.settings import BulkSettings
+from embed_bulk.settings import BulkSettings
 from load.redis_process import RedisServer
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
@@ -205,7 +205,7 @@ def render(data: dict[str, Any]) -> str:
 {settings['documents']:,} generated documents (~{settings['mean_chars']} characters); night 2: \
 {settings['edited_share']:.0%} edited (one word changed), {settings['added_share']:.0%} added. Upstream in its own \
 process: base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, provider concurrency \
-{upstream['max_concurrency']}. Each night is `python -m load.bulk` (`embed-bulk`, unchanged) with \
+{upstream['max_concurrency']}. Each night is `python -m embed_bulk` (`embed-bulk`, unchanged) with \
 `--concurrency {settings['job_concurrency']} --batch-size {settings['job_batch_size']}` into a fresh `.npy`; wall \
 time from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash. \
 {stream}

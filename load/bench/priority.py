@@ -2,7 +2,7 @@
 
 One ``AdaptiveBatcher`` serves two kinds of traffic: a HIGH stream of single items (Poisson, ``--high-rate``) for
 ``--high-seconds``, and a bulk flood of ``--flood-items`` texts sent by ``--flood-workers`` workers, each
-submitting ``--flood-chunk`` texts at a time with ``submit_many`` (the shape of the bulk client, ``load.bulk``).
+submitting ``--flood-chunk`` texts at a time with ``submit_many`` (the shape of the bulk client, ``embed_bulk``).
 Five cases, interleaved over ``--repeats``:
 
 - (a) ``no-flood``: the HIGH stream alone.

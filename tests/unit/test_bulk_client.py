@@ -1,6 +1,6 @@
-"""The bulk indexing client (`python -m load.bulk`) against a fake OpenAI-compatible embeddings API.
+"""The bulk indexing client (`python -m embed_bulk`) against a fake OpenAI-compatible embeddings API.
 
-Most tests inject the fake through `httpx.MockTransport`; the command-line and kill -9 tests serve the same fake
+Most tests inject the fake through `httpx2.MockTransport` (the HTTP library of `openai.AsyncOpenAI`); the command-line and kill -9 tests serve the same fake
 with uvicorn on loopback. Every embedding is derived from its text, so each output row can be traced to its input.
 """
 
@@ -24,15 +24,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from load.bulk import BulkJob, BulkSettings, Summary, main
-from load.bulk.api import failing_index, retry_after_s
+from embed_bulk import BulkJob, BulkSettings, Summary, main
+from embed_bulk.api import failing_index
 
 DIM = 8
 Reply = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
@@ -93,13 +93,17 @@ class FakeEmbeddingsAPI:
         usage = {"prompt_tokens": len(texts), "total_tokens": len(texts)}
         return 200, {"object": "list", "data": data, "model": body["model"], "usage": usage}, {}
 
-    def transport(self) -> httpx.MockTransport:
-        async def handle(request: httpx.Request) -> httpx.Response:
-            assert request.url.path == "/v1/embeddings"
-            status, payload, headers = await self.respond(json.loads(request.content), dict(request.headers))
-            return httpx.Response(status, json=payload, headers=headers)
+    def transport(self, sent_at: list[float] | None = None) -> httpx2.MockTransport:
+        """Serves the fake; `sent_at` collects the loop time of every request (the SDK's waits between retries)."""
 
-        return httpx.MockTransport(handle)
+        async def handle(request: httpx2.Request) -> httpx2.Response:
+            assert request.url.path == "/v1/embeddings"
+            if sent_at is not None:
+                sent_at.append(asyncio.get_running_loop().time())
+            status, payload, headers = await self.respond(json.loads(request.content), dict(request.headers))
+            return httpx2.Response(status, json=payload, headers=headers)
+
+        return httpx2.MockTransport(handle)
 
 
 def encode(vector: np.ndarray, body: dict[str, Any]) -> str | list[float]:
@@ -160,24 +164,19 @@ def settings(tmp_path: Path, output: str = "out.jsonl", **overrides: Any) -> Bul
         "concurrency": 4,
         "batch_size": 5,
         "progress": "never",
-        "backoff_base_s": 0.001,
     }
     return BulkSettings(**{**values, **overrides})
 
 
-class RecordedSleep:
-    def __init__(self) -> None:
-        self.waits: list[float] = []
-
-    async def __call__(self, seconds: float) -> None:
-        self.waits.append(seconds)
-        await asyncio.sleep(0)
-
-
-async def run(config: BulkSettings, api: FakeEmbeddingsAPI, **job_options: Any) -> Summary:
-    job_options.setdefault("sleep", RecordedSleep())
+async def run(
+    config: BulkSettings, api: FakeEmbeddingsAPI, sent_at: list[float] | None = None, **job_options: Any
+) -> Summary:
     job_options.setdefault("stderr", io.StringIO())
-    return await BulkJob(config, transport=api.transport(), **job_options).run()
+    return await BulkJob(config, transport=api.transport(sent_at), **job_options).run()
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [round(later - earlier, 6) for earlier, later in zip(times, times[1:])]
 
 
 def jsonl_rows(path: Path) -> list[dict[str, Any]]:
@@ -240,7 +239,7 @@ async def test_rerun_after_cancel_embeds_only_the_missing_rows_and_cuts_a_torn_t
     ids = write_jsonl(tmp_path / "docs.jsonl", texts(40))
     config = settings(tmp_path, concurrency=1)
     first = FakeEmbeddingsAPI(hang_after_served=3)
-    job = BulkJob(config, transport=first.transport(), sleep=RecordedSleep(), stderr=io.StringIO())
+    job = BulkJob(config, transport=first.transport(), stderr=io.StringIO())
     task = asyncio.create_task(job.run())
     await asyncio.wait_for(first.hung.wait(), 5)
     task.cancel()
@@ -334,23 +333,38 @@ async def test_a_row_without_text_fails_and_repeated_ids_are_refused(tmp_path: P
         await run(settings(tmp_path), FakeEmbeddingsAPI())
 
 
+@pytest.mark.looptime
 async def test_rate_limited_batch_waits_retry_after_then_succeeds(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "docs.jsonl", texts(5))
-    api, sleep = FakeEmbeddingsAPI(rate_limited_calls=2), RecordedSleep()
+    api, sent_at = FakeEmbeddingsAPI(rate_limited_calls=2), []
 
-    summary = await run(settings(tmp_path, max_retries=0), api, sleep=sleep)
+    summary = await run(settings(tmp_path, max_retries=2), api, sent_at)
 
-    assert sleep.waits == [2.0, 2.0]
+    assert gaps(sent_at) == [2.0, 2.0]
     assert summary.exit_code == 0 and summary.embedded == 5
-    assert (summary.calls.requests, summary.calls.rate_limited, summary.calls.retries) == (3, 2, 0)
+    assert (summary.calls.requests, summary.calls.rate_limited, summary.calls.retries) == (3, 2, 2)
 
 
+@pytest.mark.looptime
+async def test_rate_limited_past_max_retries_fails_the_batch_for_the_next_run(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(5))
+    api = FakeEmbeddingsAPI(rate_limited_calls=100)
+
+    summary = await run(settings(tmp_path, max_retries=1), api)
+
+    assert api.calls == 2 and summary.exit_code == 1
+    assert [f.id for f in summary.failures] == [f"doc-{i}" for i in range(5)]
+    assert "gave up after 2 attempts: HTTP 429: slow down" in summary.failures[0].message
+
+
+@pytest.mark.looptime
 async def test_transient_errors_back_off_and_retry_then_give_up_after_max_retries(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "docs.jsonl", texts(5))
-    sleep = RecordedSleep()
-    recovered = await run(settings(tmp_path, max_retries=3), FakeEmbeddingsAPI(failing_calls=2), sleep=sleep)
+    sent_at: list[float] = []
+    recovered = await run(settings(tmp_path, max_retries=3), FakeEmbeddingsAPI(failing_calls=2), sent_at)
     assert recovered.exit_code == 0 and recovered.calls.retries == 2
-    assert 0.0005 <= sleep.waits[0] <= 0.001 and 0.001 <= sleep.waits[1] <= 0.002, "exponential, with jitter"
+    first, second = gaps(sent_at)
+    assert 0.375 <= first <= 0.5 and 0.75 <= second <= 1.0, "exponential, with jitter"
 
     (tmp_path / "out.jsonl").unlink()
     down = FakeEmbeddingsAPI(failing_calls=100, failing_status=502)
@@ -370,18 +384,19 @@ async def test_other_client_errors_fail_the_whole_batch_without_retrying(tmp_pat
     assert {f.status for f in summary.failures} == {401}
 
 
+@pytest.mark.looptime
 async def test_connection_errors_are_retried(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "docs.jsonl", texts(3))
     api, attempts = FakeEmbeddingsAPI(), []
 
-    async def flaky(request: httpx.Request) -> httpx.Response:
+    async def flaky(request: httpx2.Request) -> httpx2.Response:
         attempts.append(request)
         if len(attempts) == 1:
-            raise httpx.ConnectError("connection refused", request=request)
+            raise httpx2.ConnectError("connection refused", request=request)
         status, payload, headers = await api.respond(json.loads(request.content), dict(request.headers))
-        return httpx.Response(status, json=payload, headers=headers)
+        return httpx2.Response(status, json=payload, headers=headers)
 
-    job = BulkJob(settings(tmp_path), transport=httpx.MockTransport(flaky), sleep=RecordedSleep(), stderr=io.StringIO())
+    job = BulkJob(settings(tmp_path), transport=httpx2.MockTransport(flaky), stderr=io.StringIO())
     summary = await job.run()
 
     assert summary.exit_code == 0 and len(attempts) == 2 and summary.calls.retries == 1
@@ -456,7 +471,7 @@ def test_kill_9_mid_run_then_rerun_embeds_each_missing_row_once(tmp_path: Path, 
         "--concurrency",
         "2",
     ]
-    process = subprocess.Popen([sys.executable, "-m", "load.bulk", *argv], cwd=REPO, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "embed_bulk", *argv], cwd=REPO, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while len(jsonl_rows(output) if output.exists() else []) < 50:
@@ -492,34 +507,13 @@ def test_failing_index_is_read_from_the_error_message(message: str, index: int |
     assert failing_index(message, count=5 if index is None else 20) == index
 
 
-def test_retry_after_reads_seconds_milliseconds_and_dates() -> None:
-    assert retry_after_s(httpx.Headers({"Retry-After": "3"})) == 3.0
-    assert retry_after_s(httpx.Headers({"Retry-After": "3", "retry-after-ms": "1500"})) == 1.5
-    assert 58 < retry_after_s(httpx.Headers({"Retry-After": _http_date(time.time() + 60)})) <= 60
-    assert retry_after_s(httpx.Headers({})) is None
-
-
-def _http_date(timestamp: float) -> str:
-    from email.utils import formatdate
-
-    return formatdate(timestamp, usegmt=True)
-
-
 @pytest.mark.looptime
 async def test_max_rate_spaces_the_batches_sent(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "docs.jsonl", texts(20))
     api, sent_at = FakeEmbeddingsAPI(), []
-    loop = asyncio.get_running_loop()
 
-    async def timed(request: httpx.Request) -> httpx.Response:
-        sent_at.append(loop.time())
-        status, payload, headers = await api.respond(json.loads(request.content), dict(request.headers))
-        return httpx.Response(status, json=payload, headers=headers)
-
-    start = loop.time()
-    job = BulkJob(settings(tmp_path, max_rate=10.0), transport=httpx.MockTransport(timed), sleep=asyncio.sleep,
-                  stderr=io.StringIO())
-    summary = await job.run()
+    start = asyncio.get_running_loop().time()
+    summary = await run(settings(tmp_path, max_rate=10.0), api, sent_at)
 
     assert summary.exit_code == 0 and summary.embedded == 20
     assert [round(at - start, 6) for at in sent_at] == [0.0, 0.5, 1.0, 1.5]  # 4 workers, batches of 5, 10 docs/s

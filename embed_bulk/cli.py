@@ -1,4 +1,4 @@
-"""`python -m load.bulk` / `embed-bulk`: run a bulk job and print what it did."""
+"""`python -m embed_bulk` / `embed-bulk`: run a bulk job and print what it did."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import asyncio
 import sys
 from typing import IO
 
-from load.bulk.documents import InputError
-from load.bulk.job import BulkJob, Summary
-from load.bulk.settings import BulkSettings, parse_args, sidecar
-from load.bulk.store import StoreError
+from embed_bulk.documents import InputError
+from embed_bulk.job import BulkJob, Summary
+from embed_bulk.settings import BulkSettings, parse_args, sidecar
+from embed_bulk.store import StoreError
 
 FAILURES_LISTED = 20
 
@@ -41,7 +41,7 @@ def summary_lines(summary: Summary, settings: BulkSettings) -> list[str]:
         f"embed-bulk: {summary.total} rows in input: {summary.embedded} embedded, "
         f"{summary.skipped} skipped as already done, {len(summary.failures)} failed",
         f"  wall time {summary.wall_s:.1f} s, {summary.rows_per_s:.1f} rows/s; {calls.requests} requests "
-        f"({calls.rate_limited} waited out a 429, {calls.retries} retried), {calls.tokens} tokens",
+        f"({calls.retries} retries; {calls.rate_limited} answered 429), {calls.tokens} tokens",
     ]
     if summary.upstream_calls is not None:
         lines.append(f"  upstream calls: {summary.upstream_calls}")

@@ -21,8 +21,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from load.bulk.documents import DocId
-from load.bulk.settings import BulkSettings, sidecar
+from embed_bulk.documents import DocId
+from embed_bulk.settings import BulkSettings, sidecar
 
 Row = tuple[DocId, np.ndarray]
 

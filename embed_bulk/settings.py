@@ -35,8 +35,6 @@ class BulkSettings:
     max_retries: int = 5
     timeout_s: float = 120.0
     connect_timeout_s: float = 10.0
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
     input_format: InputFormat = "auto"
     id_field: str = "id"
     text_field: str = "text"
@@ -52,7 +50,6 @@ class BulkSettings:
             "max_rate must be None or > 0": self.max_rate is None or self.max_rate > 0,
             "max_retries must be >= 0": self.max_retries >= 0,
             "timeouts must be > 0": min(self.timeout_s, self.connect_timeout_s) > 0,
-            "backoff times must be >= 0": min(self.backoff_base_s, self.backoff_max_s) >= 0,
             "dimensions must be None or >= 1": self.dimensions is None or self.dimensions >= 1,
             f"output must end in one of {', '.join(OUTPUT_KINDS)}": self.output_path.suffix.lower() in OUTPUT_KINDS,
             "input and output must be different files": self.input_path.resolve() != self.output_path.resolve(),
@@ -102,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-rate", type=float, default=None,
         help="documents a second at most (default: no limit); leaves headroom for interactive users of the service",
     )
-    parser.add_argument("--max-retries", type=int, default=defaults.max_retries, help="retries of a transient failure")
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=defaults.max_retries,
+        help="retries of a request answered 429, 408, 409 or 5xx, or lost (waits Retry-After, else backs off)",
+    )
     parser.add_argument("--timeout", dest="timeout_s", type=float, default=defaults.timeout_s, help="seconds a request")
     parser.add_argument(
         "--input-format",

@@ -11,13 +11,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-import httpx
+import httpx2
+import openai
 from tqdm import tqdm
 
-from load.bulk.api import BatchOutcome, CallCounters, EmbeddingsClient, Failure, Sleep, make_http_client
-from load.bulk.documents import DocId, Document, read_documents, unique_ids
-from load.bulk.settings import BulkSettings
-from load.bulk.store import EmbeddingStore, open_store
+from embed_bulk.api import BatchOutcome, CallCounters, EmbeddingsClient, Failure, make_openai_client
+from embed_bulk.documents import DocId, Document, read_documents, unique_ids
+from embed_bulk.settings import BulkSettings
+from embed_bulk.store import EmbeddingStore, open_store
 
 
 @dataclass
@@ -77,14 +78,12 @@ class BulkJob:
         self,
         settings: BulkSettings,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        sleep: Sleep = asyncio.sleep,
+        transport: httpx2.AsyncBaseTransport | None = None,
         stderr: IO[str] | None = None,
     ) -> None:
         self.settings = settings
         self.summary = Summary()
         self._transport = transport
-        self._sleep = sleep
         self._stderr = stderr if stderr is not None else sys.stderr
         self._started = time.monotonic()
 
@@ -104,11 +103,11 @@ class BulkJob:
         summary.skipped = sum(1 for doc_id in input_ids if doc_id in done)
         settings.failures_path.unlink(missing_ok=True)  # failed rows are not done: this run tries them again
         try:
-            async with make_http_client(settings, self._transport) as http:
-                upstream_before = await self._upstream_calls(http)
+            upstream_before = await self._upstream_calls()
+            async with make_openai_client(settings, summary.calls, self._transport) as client:
                 with self._progress_bar(summary) as progress:
-                    await self._embed_all(http, Recorder(store, settings, summary, progress), done)
-                summary.upstream_calls = _difference(await self._upstream_calls(http), upstream_before)
+                    await self._embed_all(client, Recorder(store, settings, summary, progress), done)
+            summary.upstream_calls = _difference(await self._upstream_calls(), upstream_before)
             store.finish(input_ids)
         except (asyncio.CancelledError, KeyboardInterrupt):
             summary.interrupted = True
@@ -118,15 +117,14 @@ class BulkJob:
             summary.wall_s = time.monotonic() - self._started
         return summary
 
-    async def _embed_all(self, http: httpx.AsyncClient, recorder: Recorder, done: set[DocId]) -> None:
-        client = EmbeddingsClient(self.settings, http, sleep=self._sleep)
-        self.summary.calls = client.counters
+    async def _embed_all(self, client: openai.AsyncOpenAI, recorder: Recorder, done: set[DocId]) -> None:
+        embeddings = EmbeddingsClient(self.settings, client, self.summary.calls)
         batches = pending_batches(self._documents(), done, self.settings.batch_size)
-        pacer = Pacer(self.settings.max_rate, self._sleep)
+        pacer = Pacer(self.settings.max_rate)
         try:
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self.settings.concurrency):
-                    workers.create_task(_work(batches, pacer, client, recorder))
+                    workers.create_task(_work(batches, pacer, embeddings, recorder))
         except ExceptionGroup as group:
             raise group.exceptions[0] from None
 
@@ -150,14 +148,15 @@ class BulkJob:
             smoothing=0.1,
         )
 
-    async def _upstream_calls(self, http: httpx.AsyncClient) -> int | None:
+    async def _upstream_calls(self) -> int | None:
         """The `calls` counter of `--stats-url`, if one was given and answers."""
         if not self.settings.stats_url:
             return None
         try:
-            response = await http.get(self.settings.stats_url)
+            async with httpx2.AsyncClient(transport=self._transport, timeout=self.settings.connect_timeout_s) as http:
+                response = await http.get(self.settings.stats_url)
             return int(response.json()["calls"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except (httpx2.HTTPError, ValueError, KeyError, TypeError):
             return None
 
 
@@ -179,9 +178,8 @@ class Pacer:
     """Spaces the batches the workers send so that at most `rate_per_s` documents a second go out (None: no limit).
     A nightly job that shares the service with interactive users sets it to leave them the machine's headroom."""
 
-    def __init__(self, rate_per_s: float | None, sleep: Sleep) -> None:
+    def __init__(self, rate_per_s: float | None) -> None:
         self._rate_per_s = rate_per_s
-        self._sleep = sleep
         self._next_at: float | None = None
 
     async def wait_turn(self, documents: int) -> None:
@@ -191,7 +189,7 @@ class Pacer:
         turn = now if self._next_at is None else max(now, self._next_at)
         self._next_at = turn + documents / self._rate_per_s
         if turn > now:
-            await self._sleep(turn - now)
+            await asyncio.sleep(turn - now)
 
 
 async def _work(batches: Iterator[list[Document]], pacer: Pacer, client: EmbeddingsClient, recorder: Recorder) -> None:

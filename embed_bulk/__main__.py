@@ -1,0 +1,3 @@
+from embed_bulk.cli import main
+
+raise SystemExit(main())

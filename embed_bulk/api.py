@@ -1,0 +1,177 @@
+"""One batch through the embeddings API with `openai.AsyncOpenAI`, whose own retries (`max_retries`) make it a polite
+background client: it waits out 429 (`Retry-After`, `retry-after-ms`) and backs off exponentially, with jitter,
+after connection errors, timeouts, 408, 409 and 5xx. What is left when it gives up:
+
+- 400 naming `input[i]`: row i fails with the server's message; the other rows are sent again.
+- any other 4xx: every row of the batch fails with the server's message.
+- retries used up: every row of the batch fails; a rerun tries them again.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import numpy as np
+import openai
+from openai.types import CreateEmbeddingResponse, Embedding
+
+from embed_bulk.documents import DocId, Document
+from embed_bulk.settings import BulkSettings
+
+# "Invalid 'input[3]': ..." (OpenAI, load.upstream), "input[3]: ..." (this service), "'input.3': ..." (validation)
+_FAILING_INDEX = re.compile(r"\binput\[(\d+)\]|\binput(?:\.[^\s'\".]+)*\.(\d+)\b")
+_RETRIED_STATUSES = frozenset({408, 409, 429})  # and 5xx: what the SDK retries
+_RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the SDK numbers each attempt of a call: 0 first, then 1, 2, ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    id: DocId
+    message: str
+    status: int | None = None
+
+
+@dataclass
+class BatchOutcome:
+    embedded: list[tuple[DocId, np.ndarray]] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+
+
+@dataclass
+class CallCounters:
+    """HTTP requests sent (every attempt), the 429 answers among their replies, the attempts that were retries."""
+
+    requests: int = 0
+    rate_limited: int = 0
+    retries: int = 0
+    tokens: int = 0
+
+    async def count_request(self, request: httpx2.Request) -> None:
+        self.requests += 1
+        if request.headers.get(_RETRY_COUNT_HEADER, "0") != "0":
+            self.retries += 1
+
+    async def count_response(self, response: httpx2.Response) -> None:
+        if response.status_code == 429:
+            self.rate_limited += 1
+
+
+def make_openai_client(
+    settings: BulkSettings, counters: CallCounters, transport: httpx2.AsyncBaseTransport | None = None
+) -> openai.AsyncOpenAI:
+    timeout = httpx2.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
+    http = httpx2.AsyncClient(
+        timeout=timeout,
+        limits=httpx2.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency),
+        transport=transport,
+        event_hooks={"request": [counters.count_request], "response": [counters.count_response]},
+    )
+    return openai.AsyncOpenAI(
+        base_url=settings.base_url,
+        api_key=settings.api_key or "unused",
+        default_headers={"X-Priority": settings.priority},
+        max_retries=settings.max_retries,
+        timeout=timeout,
+        http_client=http,
+    )
+
+
+class EmbeddingsClient:
+    """Embeds one batch of documents at a time, as the module docstring says."""
+
+    def __init__(self, settings: BulkSettings, client: openai.AsyncOpenAI, counters: CallCounters) -> None:
+        self.settings = settings
+        self.counters = counters
+        self._client = client
+        self._options: dict[str, Any] = {"model": settings.model, "encoding_format": settings.encoding_format}
+        if settings.dimensions is not None:
+            self._options["dimensions"] = settings.dimensions
+
+    async def embed(self, documents: Sequence[Document]) -> BatchOutcome:
+        pending, outcome = list(documents), BatchOutcome()
+        while pending:
+            try:
+                response = await self._client.embeddings.create(input=[doc.text for doc in pending], **self._options)
+                vectors = decode_embeddings(response, len(pending))
+            except openai.BadRequestError as error:
+                message = error_message(error)
+                if (index := failing_index(message, len(pending))) is not None:
+                    outcome.failed.append(Failure(pending.pop(index).id, message, 400))
+                    continue
+                outcome.failed.extend(_failures(pending, error))
+            except (openai.APIStatusError, openai.APIConnectionError) as error:
+                outcome.failed.extend(_failures(pending, error))
+            except (openai.APIResponseValidationError, ValueError, KeyError, TypeError, AttributeError) as error:
+                outcome.failed.extend(Failure(doc.id, f"malformed response: {error}") for doc in pending)
+            else:
+                self.counters.tokens += _tokens(response)
+                outcome.embedded.extend((doc.id, vector) for doc, vector in zip(pending, vectors, strict=True))
+            pending = []
+        return outcome
+
+
+def _failures(pending: list[Document], error: openai.APIStatusError | openai.APIConnectionError) -> list[Failure]:
+    """Every row of a batch the client gave up on: a refusal keeps its status; retries used up say how many."""
+    if isinstance(error, openai.APITimeoutError):
+        message, status = "timed out", None
+    elif isinstance(error, openai.APIConnectionError):
+        message, status = f"connection failed ({_cause(error)})", None
+    else:
+        message, status = f"HTTP {error.status_code}: {error_message(error)}", error.status_code
+    if status is None or status in _RETRIED_STATUSES or status >= 500:
+        attempts = int(error.request.headers.get(_RETRY_COUNT_HEADER, "0")) + 1
+        message, status = f"gave up after {attempts} attempts: {message}", None
+    return [Failure(doc.id, message, status) for doc in pending]
+
+
+def decode_embeddings(response: CreateEmbeddingResponse, count: int) -> np.ndarray:
+    """The `[count, d]` float32 matrix of an embeddings response, rows in input order."""
+    data = sorted(response.data, key=lambda item: item.index)
+    if [item.index for item in data] != list(range(count)):
+        raise ValueError(f"expected embeddings for indexes 0..{count - 1}, got {len(data)} items")
+    vectors = [_vector(item) for item in data]
+    if len({vector.shape for vector in vectors}) != 1:
+        raise ValueError("embeddings of different widths in one response")
+    return np.stack(vectors)
+
+
+def failing_index(message: str, count: int) -> int | None:
+    """The input a 400 message names (`input[3]`, `input.3`), if it is one of the `count` sent."""
+    match = _FAILING_INDEX.search(message)
+    if match is None:
+        return None
+    index = int(match.group(1) or match.group(2))
+    return index if index < count else None
+
+
+def error_message(error: openai.APIError) -> str:
+    """The server's own message (`{"error": {"message": ...}}`), not the SDK's wrapping of it."""
+    body = error.body
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    if isinstance(body, str) and body:
+        return body[:500]
+    return error.message
+
+
+def _vector(item: Embedding) -> np.ndarray:
+    # an explicit encoding_format="base64" comes back as the string the server sent, left for numpy to decode
+    embedding: str | list[float] = item.embedding
+    if isinstance(embedding, str):
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+    return np.asarray(embedding, dtype=np.float32)
+
+
+def _tokens(response: CreateEmbeddingResponse) -> int:
+    usage = response.usage
+    return int(usage.total_tokens or usage.prompt_tokens or 0) if usage is not None else 0
+
+
+def _cause(error: openai.APIConnectionError) -> str:
+    cause = error.__cause__
+    return f"{type(cause).__name__}: {cause}" if cause is not None else error.message

@@ -1,3 +1,0 @@
-from load.bulk.cli import main
-
-raise SystemExit(main())
