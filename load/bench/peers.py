@@ -34,7 +34,7 @@ from load.workload import pseudo_sentences
 
 from .harness import chosen_settings, code_version, rotated, version_line
 from .report import machine_info, markdown_table, write_results
-from .serving import SERVE_CONFIG, default_models
+from .serving import SERVE_CONFIG, default_models, serve_env
 
 MODEL = "all-MiniLM-L6-v2"
 # The environment `serve run` starts with. RAY_TMPDIR gives its Ray instance a temp dir of its own, which every Ray
@@ -43,15 +43,7 @@ MODEL = "all-MiniLM-L6-v2"
 # Ray take 127.0.0.1 as the node's address (what the tests' `_node_ip_address` does), so its traffic stays on
 # loopback; no usage stats are sent.
 # On top of serve.env, the environment the README's run command gives it.
-SERVE_ENV_FILE = ROOT / "serve.env"
-
-
-def _serve_env() -> dict[str, str]:
-    lines = (line.strip() for line in SERVE_ENV_FILE.read_text().splitlines())
-    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
-
-
-SERVICE_ENV: dict[str, str] = {**_serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
+SERVICE_ENV: dict[str, str] = {**serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/tmp/ray-peers-bench"}
 
 

@@ -22,6 +22,13 @@ from .harness import rotated
 from .upstream_process import free_port, upstream_config_from, upstream_process
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+SERVE_ENV = SERVE_CONFIG.with_name("serve.env")
+
+
+def serve_env() -> dict[str, str]:
+    """The variables of ``serve.env``: the environment the README's run command gives Ray (HAProxy in front)."""
+    lines = (line.strip() for line in SERVE_ENV.read_text().splitlines())
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 
 def default_models() -> list[dict[str, Any]]:
@@ -46,9 +53,9 @@ UNBATCHED = {"max_batch_size": 1, "max_wait_ms": 0.0, "max_batch_tokens": None}
 
 @contextmanager
 def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
-    """A fresh local Ray cluster with Serve's HTTP proxy on a free loopback port; yields the proxy's URL."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    """A fresh local Ray cluster started as ``serve run`` starts it (``serve.env``: HAProxy in front), with Serve's
+    HTTP port a free loopback one; yields its URL."""
+    os.environ.update(serve_env())
     import ray
     from ray import serve
 
