@@ -26,6 +26,7 @@ from .embedder import EmbedRequest
 from .errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
                      PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
 from .forwarding import ModelForwarder
+from .openai_errors import error_response, status_response
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,13 +42,9 @@ DEADLINE_MARGIN_S = 0.25
 app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-def _error_response(error: ServiceError) -> JSONResponse:
-    return JSONResponse(error.to_body(), status_code=error.status, headers=error.headers())
-
-
 @app.exception_handler(ServiceError)
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-    return _error_response(exc)
+    return error_response(exc)
 
 
 @app.exception_handler(RequestValidationError)
@@ -57,25 +54,22 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     param = ".".join(location) or None
-    return _error_response(InvalidRequest(f"'{param}': {message}" if param else message, param=param))
+    return error_response(InvalidRequest(f"'{param}': {message}" if param else message, param=param))
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:
-        error: ServiceError = RouteNotFound(f"no route {request.method} {request.url.path}")
-    elif exc.status_code == 405:
-        error = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
-    else:
-        error = ServiceError(str(exc.detail))
-        error.status = exc.status_code
-    return _error_response(error)
+        return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
+    return status_response(exc.status_code, str(exc.detail))
 
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(ServiceError("the server failed to process the request"))
+    return error_response(ServiceError("the server failed to process the request"))
 
 
 def _answer_by(timeout_s: float | None) -> float | None:

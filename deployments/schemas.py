@@ -43,6 +43,14 @@ class EmbeddingRequest(BaseModel):
         return normalize_input(self.input)
 
 
+class InvalidInputItem(ValueError):
+    """One item of ``input`` is at fault: its index travels to the response's ``param``."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def normalize_input(value: Any) -> Inputs:
     """``input`` as a list of items; ``ValueError`` saying what is wrong, OpenAI-style."""
     if isinstance(value, str):
@@ -58,14 +66,14 @@ def normalize_input(value: Any) -> Inputs:
     if all(isinstance(item, str) for item in value):
         for i, item in enumerate(value):
             if not item.strip():
-                raise ValueError(f"'input[{i}]' must hold text, not an empty or whitespace-only string")
+                raise InvalidInputItem(f"'input[{i}]' must hold text, not an empty or whitespace-only string", i)
         return value
     if all(isinstance(item, list) for item in value):
         for i, item in enumerate(value):
             if not item:
-                raise ValueError(f"'input[{i}]' must not be an empty array of token ids")
+                raise InvalidInputItem(f"'input[{i}]' must not be an empty array of token ids", i)
             if not all(_is_token(token) for token in item):
-                raise ValueError(f"'input[{i}]' must hold non-negative integer token ids only")
+                raise InvalidInputItem(f"'input[{i}]' must hold non-negative integer token ids only", i)
         return value
     raise ValueError(f"'input' must be {_INPUT_SHAPES}; its items must all be strings or all be token-id arrays")
 
@@ -94,7 +102,8 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
         message = f"'{'.'.join(location)}' is required"
     elif param and f"'{param}" not in message:
         message = f"'{'.'.join(location)}': {message}"
-    return InvalidRequest(message, param=param)
+    cause = error.get("ctx", {}).get("error")
+    return InvalidRequest(message, param=param, index=cause.index if isinstance(cause, InvalidInputItem) else None)
 
 
 def parse_priority(header: str | None) -> Priority:

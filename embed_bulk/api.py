@@ -2,7 +2,7 @@
 background client: it waits out 429 (`Retry-After`, `retry-after-ms`) and backs off exponentially, with jitter,
 after connection errors, timeouts, 408, 409 and 5xx. What is left when it gives up:
 
-- 400 naming `input[i]`: row i fails with the server's message; the other rows are sent again.
+- 400 naming `input[i]` in its `param`: row i fails with the server's message; the other rows are sent again.
 - any other 4xx: every row of the batch fails with the server's message.
 - retries used up: every row of the batch fails; a rerun tries them again.
 """
@@ -10,7 +10,6 @@ after connection errors, timeouts, 408, 409 and 5xx. What is left when it gives 
 from __future__ import annotations
 
 import base64
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +22,6 @@ from openai.types import CreateEmbeddingResponse, Embedding
 from embed_bulk.documents import DocId, Document
 from embed_bulk.settings import BulkSettings
 
-# "Invalid 'input[3]': ..." (OpenAI, load.upstream), "input[3]: ..." (this service), "'input.3': ..." (validation)
-_FAILING_INDEX = re.compile(r"\binput\[(\d+)\]|\binput(?:\.[^\s'\".]+)*\.(\d+)\b")
 _RETRIED_STATUSES = frozenset({408, 409, 429})  # and 5xx: what the SDK retries
 _RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the SDK numbers each attempt of a call: 0 first, then 1, 2, ...
 
@@ -99,9 +96,8 @@ class EmbeddingsClient:
                 response = await self._client.embeddings.create(input=[doc.text for doc in pending], **self._options)
                 vectors = decode_embeddings(response, len(pending))
             except openai.BadRequestError as error:
-                message = error_message(error)
-                if (index := failing_index(message, len(pending))) is not None:
-                    outcome.failed.append(Failure(pending.pop(index).id, message, 400))
+                if (index := failing_index(error.param, len(pending))) is not None:
+                    outcome.failed.append(Failure(pending.pop(index).id, error_message(error), 400))
                     continue
                 outcome.failed.extend(_failures(pending, error))
             except (openai.APIStatusError, openai.APIConnectionError) as error:
@@ -140,13 +136,12 @@ def decode_embeddings(response: CreateEmbeddingResponse, count: int) -> np.ndarr
     return np.stack(vectors)
 
 
-def failing_index(message: str, count: int) -> int | None:
-    """The input a 400 message names (`input[3]`, `input.3`), if it is one of the `count` sent."""
-    match = _FAILING_INDEX.search(message)
-    if match is None:
+def failing_index(param: str | None, count: int) -> int | None:
+    """The input an error's `param` names (`"input[3]"`), if it is one of the `count` sent."""
+    if param is None or not (param.startswith("input[") and param.endswith("]")):
         return None
-    index = int(match.group(1) or match.group(2))
-    return index if index < count else None
+    digits = param.removeprefix("input[").removesuffix("]")
+    return int(digits) if digits.isdigit() and int(digits) < count else None
 
 
 def error_message(error: openai.APIError) -> str:

@@ -73,7 +73,7 @@ def test_ids_that_are_not_tokens_are_a_400_asking_for_text(embeddings_app: Servi
     with pytest.raises(openai.BadRequestError) as caught:
         embeddings_app.client().embeddings.create(model=MODEL, input=[[15339], [100256]])
     error = caught.value.body
-    assert "input[1]" in error["message"] and "text" in error["message"]
+    assert "input[1]" in error["message"] and "text" in error["message"] and caught.value.param == "input[1]"
 
 
 def test_an_unknown_model_is_a_404_model_not_found(embeddings_app: Service) -> None:

@@ -94,7 +94,7 @@ def test_concurrent_requests_share_upstream_calls(simulated_app: Service, upstre
 def test_an_input_the_upstream_refuses_is_a_400_naming_it(simulated_app: Service, upstream: RunningUpstream) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         simulated_app.client(PREFIX).embeddings.create(model=MODEL, input=["fine", "fine too", f"please {POISON}"])
-    assert "input[2]" in caught.value.body["message"]
+    assert "input[2]" in caught.value.body["message"] and caught.value.param == "input[2]"
 
 
 def test_a_429_with_retry_after_is_answered_by_a_later_success(simulated_app: Service, upstream: RunningUpstream) -> None:

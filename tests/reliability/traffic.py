@@ -162,8 +162,8 @@ def classify(plan: Plan, status: int, headers: Any, content: bytes, start: float
                        body=content)
     message, code = str(error["message"]), error.get("code")
     outcome = Outcome(plan, start, end, "clear", status, code, message, retry_after, content)
-    if status == 400:  # only a poisoned request may be refused, and the message must name a poisoned input
-        if not any(f"input[{index}]" in message for index in plan.poisoned):
+    if status == 400:  # only a poisoned request may be refused, and its param must name a poisoned input
+        if error.get("param") not in {f"input[{index}]" for index in plan.poisoned}:
             outcome.kind = "unclear"
     elif status == 429:
         if not retry_after:

@@ -45,8 +45,10 @@ def vector_of(text: str) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
 
 
-def openai_error(message: str, error_type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+def openai_error(
+    message: str, error_type: str = "invalid_request_error", param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
 
 
 class FakeEmbeddingsAPI:
@@ -85,7 +87,8 @@ class FakeEmbeddingsAPI:
         texts: list[str] = body["input"]
         for index, text in enumerate(texts):
             if POISON in text:
-                return 400, openai_error(f"Invalid 'input[{index}]': the provider rejected this input."), {}
+                message = f"Invalid 'input[{index}]': the provider rejected this input."
+                return 400, openai_error(message, param=f"input[{index}]"), {}
         await asyncio.sleep(self.delays_s[self.calls % len(self.delays_s)])
         self.served += 1
         self.inputs.update(texts)
@@ -493,18 +496,30 @@ def test_kill_9_mid_run_then_rerun_embeds_each_missing_row_once(tmp_path: Path, 
 
 
 @pytest.mark.parametrize(
-    ("message", "index"),
+    ("param", "index"),
     [
-        ("Invalid 'input[3]': the provider rejected this input.", 3),
-        ("input[12]: the upstream model failed (2 more input(s) failed too)", 12),
-        ("'input': 'input[0]' must not be an empty string", 0),
-        ("'input.list[str].4': Input should be a valid string", 4),
-        ("Invalid 'input[9]': too long", None),  # not one of the inputs sent
-        ("'input' must hold between 1 and 2048 items, got 0.", None),
+        ("input[3]", 3),
+        ("input[12]", 12),
+        ("input[0]", 0),
+        ("input[9]", None),  # not one of the inputs sent
+        ("input", None),
+        ("input[-1]", None),
+        ("model", None),
+        (None, None),
     ],
 )
-def test_failing_index_is_read_from_the_error_message(message: str, index: int | None) -> None:
-    assert failing_index(message, count=5 if index is None else 20) == index
+def test_failing_index_is_read_from_the_error_param(param: str | None, index: int | None) -> None:
+    assert failing_index(param, count=5 if index is None else 20) == index
+
+
+async def test_a_400_naming_no_input_fails_the_whole_batch(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(3))
+    api = FakeEmbeddingsAPI(failing_calls=100, failing_status=400)
+
+    summary = await run(settings(tmp_path), api)
+
+    assert api.calls == 1 and [f.status for f in summary.failures] == [400, 400, 400]
+    assert summary.failures[0].message == "HTTP 400: upstream trouble"
 
 
 @pytest.mark.looptime

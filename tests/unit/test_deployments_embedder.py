@@ -14,6 +14,7 @@ from deployments.backends import ItemRejected, Prepared, UpstreamError
 from deployments.config import ModelConfig
 from deployments.embedder import EmbeddingModel, EmbedRequest
 from deployments.errors import InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceUnavailable, UpstreamFailed
+from deployments.openai_errors import error_body, error_headers, http_error
 
 DIM = 8
 
@@ -132,14 +133,15 @@ async def test_a_rejected_input_fails_the_request_naming_its_index() -> None:
     with pytest.raises(InvalidRequest) as caught:
         await model.embed(["fine", "also fine", "poison", "fine too"])
     assert caught.value.index == 2
-    assert "input[2]" in caught.value.message and caught.value.status == 400
+    assert "input[2]" in caught.value.message and http_error(caught.value).status == 400
+    assert error_body(caught.value)["error"]["param"] == "input[2]"
 
 
 async def test_an_upstream_failure_is_a_502_naming_the_input() -> None:
     model = make_model(FakeBackend())
     with pytest.raises(UpstreamFailed) as caught:
         await model.embed(["ok", "upstream-down"])
-    assert caught.value.status == 502 and caught.value.index == 1
+    assert http_error(caught.value).status == 502 and caught.value.index == 1
 
 
 async def test_each_output_size_gets_its_own_batcher() -> None:
@@ -176,7 +178,7 @@ async def test_a_full_queue_is_a_429_with_retry_after() -> None:
     with pytest.raises(ModelOverloaded) as caught:
         await model.embed(["g"])
     assert isinstance(caught.value, Overloaded)  # handle callers may catch the batcher's own error
-    assert caught.value.retry_after_s > 0 and "Retry-After" in caught.value.headers()
+    assert caught.value.retry_after_s > 0 and "Retry-After" in error_headers(caught.value)
     backend.gate.set()
     await asyncio.gather(first, queued)
 
@@ -187,7 +189,7 @@ async def test_a_deadline_is_a_504() -> None:
     model = make_model(backend)
     with pytest.raises(RequestTimedOut) as caught:
         await model.embed(["slow"], timeout_s=0.05)
-    assert isinstance(caught.value, DeadlineExceeded) and caught.value.status == 504
+    assert isinstance(caught.value, DeadlineExceeded) and http_error(caught.value).status == 504
     backend.gate.set()
 
 
@@ -225,8 +227,8 @@ async def test_shutdown_drains_queued_inputs_then_refuses_new_ones() -> None:
 def test_errors_keep_their_fields_across_a_process_boundary(error) -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error)
-    assert copy.to_body() == error.to_body() and copy.index == error.index
-    assert copy.headers() == error.headers() and str(copy) == str(error)
+    assert error_body(copy) == error_body(error) and copy.index == error.index
+    assert error_headers(copy) == error_headers(error) and str(copy) == str(error)
 
 
 def test_upstream_errors_keep_retry_fields_across_a_process_boundary() -> None:

@@ -12,6 +12,7 @@ from batching import Priority
 from deployments import tokens
 from deployments.auth import ApiKeys
 from deployments.errors import AuthenticationFailed, InvalidRequest
+from deployments.openai_errors import error_body, http_error
 from deployments.schemas import embedding_response, normalize_input, parse_priority, parse_request, parse_timeout
 
 
@@ -45,8 +46,15 @@ def test_every_input_shape_becomes_a_list_of_items(value, items) -> None:
 def test_malformed_input_is_a_400_naming_input(value, fragment) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_request(request(input=value))
-    assert caught.value.param == "input" and caught.value.status == 400
+    assert caught.value.param == "input" and http_error(caught.value).status == 400
     assert fragment in caught.value.message
+
+
+@pytest.mark.parametrize("value, index", [(["a", ""], 1), (["a", "b", "  "], 2), ([[1], []], 1), ([[3], [1, -2]], 1)])
+def test_a_malformed_item_is_named_in_param(value, index) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(request(input=value))
+    assert error_body(caught.value)["error"]["param"] == f"input[{index}]"
 
 
 def test_2048_inputs_are_accepted() -> None:
@@ -65,7 +73,8 @@ def test_other_malformed_bodies_are_400s(body, param) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_request(body)
     assert caught.value.param == param
-    assert set(caught.value.to_body()["error"]) == {"message", "type", "param", "code"}
+    assert error_body(caught.value)["error"] == {"message": caught.value.message, "type": "invalid_request_error",
+                                                 "param": param, "code": None}
 
 
 def test_unknown_fields_are_tolerated() -> None:
@@ -116,7 +125,7 @@ def test_a_configured_key_is_required() -> None:
     for bad in (None, "", "Bearer", "Bearer wrong", "Basic first-key", "first-key", "Bearer first-keyX", "Bearer ключ"):
         with pytest.raises(AuthenticationFailed) as caught:
             keys.check(bad)
-        assert caught.value.status == 401 and "first-key" not in caught.value.message
+        assert http_error(caught.value).status == 401 and "first-key" not in caught.value.message
 
 
 def test_token_ids_decode_back_to_their_text() -> None:

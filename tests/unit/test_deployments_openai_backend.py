@@ -16,6 +16,7 @@ from deployments.backends.openai_api import INLINE_PREPARE_SIZE, OpenAIBackend, 
 from deployments.config import ModelConfig
 from deployments.embedder import EmbeddingModel
 from deployments.errors import InvalidRequest, UpstreamFailed
+from deployments.openai_errors import http_error
 from load.hashvec import matches
 from load.upstream import UpstreamConfig, run_upstream
 
@@ -145,7 +146,7 @@ async def test_server_errors_are_retried_then_reported_as_502(make_model, upstre
     upstream.set_faults(error_rate=1.0)
     with pytest.raises(UpstreamFailed) as caught:
         await make_model(max_retries=2).embed(["doomed"])
-    assert caught.value.status == 502 and caught.value.index == 0
+    assert http_error(caught.value).status == 502 and caught.value.index == 0
     assert upstream.stats()["errors_500"] == 3  # the first try and two retries
 
 
