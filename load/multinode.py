@@ -1,7 +1,8 @@
 """A Ray cluster of several nodes on this one machine, with a Serve HTTP proxy on every node, each on its own port.
 
-Each node is a raylet of its own (``ray.cluster_utils.Cluster``) on loopback with ``cpus_per_node`` CPUs, so Ray
-places replicas across nodes exactly as it would across machines. The cluster keeps to itself: its own temporary
+Each node is a raylet of its own (``ray.cluster_utils.Cluster``) with ``cpus_per_node`` CPUs, so Ray places
+replicas across nodes exactly as it would across machines. Ray's own ports are on the machine's address (Ray turns
+a loopback address it is to connect to into that one); the Serve proxies listen on loopback only. The cluster keeps to itself: its own temporary
 directory under /tmp, free ports for everything it listens on (GCS, agents, metrics, proxies), and nothing another
 Ray instance on the machine uses is touched. A node can be killed the way a crash would (its processes killed, no
 graceful drain) and nodes can be added at any time; the GCS declares a killed node dead within about two seconds.

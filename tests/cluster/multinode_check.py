@@ -204,9 +204,11 @@ class Run:
 
     async def replacement(self) -> None:
         alive = replica_nodes()
-        self.report["replacement"] = {"replica_states_before_node_added": await asyncio.to_thread(replica_states)}
-        if len(alive) != 1:
-            raise CheckFailed(f"with one node left, {len(alive)} model replicas are alive (expected 1)")
+        states = await asyncio.to_thread(replica_states)
+        self.report["replacement"] = {"replica_states_before_node_added": states}
+        if len(alive) != 1 or sum(states.values()) != 2:
+            raise CheckFailed(f"with one node left, expected one replica alive and the lost one waiting for a CPU; "
+                              f"{len(alive)} alive, Serve reports {states}")
         started = time.monotonic()
         new = self.cluster.add_node()  # in the main thread: a node registers signal handlers
         try:
