@@ -2,10 +2,11 @@
 
 Each node is a raylet of its own (``ray.cluster_utils.Cluster``) with ``cpus_per_node`` CPUs, so Ray places
 replicas across nodes exactly as it would across machines. Ray's own ports are on the machine's address (Ray turns
-a loopback address it is to connect to into that one); the Serve proxies listen on loopback only. The cluster keeps to itself: its own temporary
-directory under /tmp, free ports for everything it listens on (GCS, agents, metrics, proxies), and nothing another
-Ray instance on the machine uses is touched. A node can be killed the way a crash would (its processes killed, no
-graceful drain) and nodes can be added at any time; the GCS declares a killed node dead within about two seconds.
+a loopback address it is to connect to into that one); the Serve proxies listen on loopback only. The cluster keeps
+to itself: its own temporary directory under /tmp, free ports for everything it listens on (GCS, agents, metrics,
+proxies), and nothing another Ray instance on the machine uses is touched. A node can be killed the way a crash
+would (its processes killed, no graceful drain) and nodes can be added at any time; the GCS declares a killed node
+dead within about two seconds.
 
 Every worker node's proxy binds the port given in ``RAY_SERVE_WORKER_PROXY_HTTP_PORT`` (read by the proxy actor
 from its raylet's environment; the head's proxy binds ``http_options.port``), which is how several proxies share one

@@ -1,11 +1,11 @@
 """One node vs a cluster of several: the same application over HTTP on 1, 2, ... N Ray nodes, on the simulated upstream.
 
 For each node count a fresh Ray cluster (``load.multinode``: nodes of one CPU each on this machine, a Serve proxy on
-every node) runs ``e2e``'s adaptive application with one model replica per node (``num_cpus: 1``, so they spread) and
-one ingress per node; the simulated upstream runs in its own process, shared by every cluster. Single-text requests,
-closed loop, each request sent to the next node's proxy in turn (a load balancer in front); every vector is checked
-against its text's hash. Reported: texts/s, P50 and P99 per node count and concurrency, and each count's throughput
-as a multiple of one node's.
+every node) runs ``e2e``'s adaptive application with one model replica per node (``num_cpus: 1``, so they spread)
+and as many ingress replicas as nodes; the simulated upstream runs in its own process, shared by every cluster.
+Single-text requests, closed loop, each request sent to the next node's proxy in turn (a load balancer in front);
+every vector is checked against its text's hash. Reported: texts/s, P50 and P99 per node count and concurrency,
+and each count's throughput as a multiple of one node's.
 
 On one machine the nodes share its cores, so the ratio says how far more proxies, ingresses and replicas turn the
 cores into throughput, which is the part of scaling out that Ray Serve's per-request cost decides; on separate
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def app_args(base_url: str, nodes: int) -> dict[str, Any]:
-    """``e2e``'s adaptive application with one model replica and one ingress per node."""
+    """``e2e``'s adaptive application with one model replica per node and as many ingress replicas as nodes."""
     model = {**model_entry(base_url), "num_replicas": nodes, "ray_actor_options": {"num_cpus": 1}}
     return {"models": [model], "ingress": {"num_replicas": nodes}}
 
@@ -152,9 +152,9 @@ def render(settings: Settings, upstream: UpstreamConfig, rows: dict[str, dict[st
     return f"""\
 Single-text `POST /v1/embeddings` requests (base64), closed loop, each to the next node's proxy in turn; requests per \
 level: {", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} repeat(s), the node \
-counts in rotating order, each on a fresh cluster (nodes of one CPU, one model replica and one ingress per node), \
-medians. Upstream in its own process: base {upstream.base_latency_ms:g} ms + {upstream.per_token_ms:g} ms/token, \
-provider concurrency {upstream.max_concurrency}. All nodes run on this one machine and share its cores.
+counts in rotating order, each on a fresh cluster (nodes of one CPU, one model replica per node, as many ingress \
+replicas as nodes), medians. Upstream in its own process: base {upstream.base_latency_ms:g} ms + \
+{upstream.per_token_ms:g} ms/token, provider concurrency {upstream.max_concurrency}. All nodes run on this one machine and share its cores.
 
 {table}
 """
