@@ -154,7 +154,8 @@ Single-text `POST /v1/embeddings` requests (base64), closed loop, each to the ne
 level: {", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} repeat(s), the node \
 counts in rotating order, each on a fresh cluster (nodes of one CPU, one model replica per node, as many ingress \
 replicas as nodes), medians. Upstream in its own process: base {upstream.base_latency_ms:g} ms + \
-{upstream.per_token_ms:g} ms/token, provider concurrency {upstream.max_concurrency}. All nodes run on this one machine and share its cores.
+{upstream.per_token_ms:g} ms/token, provider concurrency {upstream.max_concurrency}. All nodes run on this one machine \
+and share its cores.
 
 {table}
 """
