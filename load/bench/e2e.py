@@ -104,8 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
             results_dir: Any = None) -> dict[str, Any]:
     """The scenario on a running Serve instance (HTTP proxy at ``proxy``) and upstream (at ``root_url``)."""
-    from deployments.app import bind_ingress, build_app, model_deployment_options
+    from deployments.app import bind_ingress, build_app
     from deployments.config import parse_app_config
+    from deployments.sizing import model_deployment_options
 
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     base_url = f"{root_url}/v1"

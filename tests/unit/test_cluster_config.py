@@ -11,6 +11,7 @@ import yaml
 
 from deployments.app import build_app
 from deployments.config import parse_app_config
+from deployments.sizing import model_actor_options
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where the cluster config's application args may differ from the shipped ones (paths into the args).
@@ -45,7 +46,7 @@ def test_cluster_config_parses_and_builds() -> None:
     args = application(load("serve_config.cluster.yaml"))["args"]
     config = parse_app_config(args)
     (model,) = config.models
-    assert model.effective_ray_actor_options["num_cpus"] == 1
+    assert model_actor_options(model)["num_cpus"] == 1
     assert model.autoscaling["min_replicas"] == 2 and model.autoscaling["max_replicas"] > 2
     assert config.ingress.num_replicas == 2
     build_app(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 import yaml
 
 from batching import BatcherConfig
-from deployments.app import build_app, ingress_deployment_options, model_deployment_options
-from deployments.config import ConfigError, ModelConfig, parse_app_config
+from deployments.app import build_app
+from deployments.config import AppConfig, ConfigError, ModelConfig, parse_app_config
+from deployments.sizing import ingress_deployment_options, model_deployment_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,15 @@ def test_the_shipped_serve_config_parses() -> None:
 
 def test_the_shipped_serve_config_builds_an_application() -> None:
     assert build_app(serve_config_args()) is not None
+
+
+def test_serve_validates_the_args_into_an_app_config_with_the_same_messages() -> None:
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    assert inspect.signature(build_app).parameters["args"].annotation is AppConfig  # Serve's typed builder
+    assert call_user_app_builder_with_args_if_necessary(build_app, serve_config_args()) is not None
+    with pytest.raises(ValueError, match=r"models\[0\]\.backend: must be one of local, openai, not 'gpu'"):
+        call_user_app_builder_with_args_if_necessary(build_app, {"models": [{"name": "a", "backend": "gpu"}]})
 
 
 def test_every_problem_is_reported_with_where_it_is() -> None:
