@@ -15,7 +15,10 @@ import numpy as np
 
 from .model_dir import ModelDir
 
-CHUNK_TOKENS = 8192  # padded positions in one model call (32 inputs of 256): bigger calls gain nothing on a CPU
+# Padded positions in one model call (about 20 inputs of 25 word pieces, 2 of 256). A batch of 64 short texts took
+# 25% less time in calls of 384-768 positions than in one call of all 64 (its activations stay in the CPU's caches,
+# and each call pads to a closer length): fastest of 30 interleaved rounds in one process, 142-146 vs 183 ms.
+CHUNK_TOKENS = 512
 
 
 class Engine(Protocol):
