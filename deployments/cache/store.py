@@ -1,7 +1,8 @@
 """What a vector store is, and the guard every store call passes through.
 
-A store maps keys to the bytes of one float32 vector. The guard gives each call ``timeout_s``; a call that fails,
-times out or finds the store failing a moment ago (within ``COOL_DOWN_S``) is a miss (get) or a lost write (set),
+A store maps keys to the bytes of one float32 vector. The guard gives each read ``timeout_s`` and each write, which
+runs after its request was answered, up to ``WRITE_TIMEOUT_S``; a read that fails, times out or finds the store
+failing a moment ago (a read failed within ``COOL_DOWN_S``) is a miss, a write that fails is lost (a later miss):
 never an error for the request. Each failure is counted; the log says when a store starts failing and when it
 answers again, naming the store and the error's type only: no key or value is ever logged.
 """
@@ -16,7 +17,11 @@ from .metrics import CacheMetrics
 
 logger = logging.getLogger("ray.serve")
 
-COOL_DOWN_S = 1.0  # after a failure, how long the store is not asked
+COOL_DOWN_S = 1.0  # after a failed read, how long the store is not asked
+# A write runs after its request was answered, so it may take longer than a read: a bulk job's 256-vector write to
+# the disk store took more than the 50 ms a read gets on a busy 2-core machine, and cutting it short (and then
+# skipping the store for a second) lost a sixth of night 1's vectors (night 2 billed 21% of its tokens, not 7%).
+WRITE_TIMEOUT_S = 5.0
 
 
 class VectorStore(Protocol):
@@ -59,12 +64,12 @@ class GuardedStore:
         return found
 
     async def set_many(self, entries: Mapping[str, bytes]) -> None:
-        if not entries or self._skipping("set"):
+        if not entries:  # a write is tried even while reads cool down: it costs no request, and a slow store keeps it
             return
         try:
-            await asyncio.wait_for(self._store.set_many(entries), self._timeout_s)
+            await asyncio.wait_for(self._store.set_many(entries), max(self._timeout_s, WRITE_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - a lost write costs a later miss, nothing more
-            self._failed("set", exc)
+            self._failed("set", exc, cool_down=False)
             return
         self._answered()
         self._metrics.bytes_moved(self._cache, "written", sum(map(len, entries.values())))
@@ -78,13 +83,16 @@ class GuardedStore:
         self._metrics.store_failed(self._cache, self.name, op, "skipped")
         return True
 
-    def _failed(self, op: str, exc: Exception) -> None:
+    def _failed(self, op: str, exc: Exception, cool_down: bool = True) -> None:
+        """Count a failed call; a failed read is also logged (when the store starts failing) and keeps requests off
+        the store for ``COOL_DOWN_S``. A failed write costs no request, only a later miss: it is counted only."""
         reason = "timeout" if isinstance(exc, TimeoutError) else "error"
         self._metrics.store_failed(self._cache, self.name, op, reason)
-        if self._failing_until is None:
+        if cool_down and self._failing_until is None:
             logger.warning("embedding cache %r: the %s store failed (%s on %s); inputs are computed as misses "
                            "until it answers again", self._cache, self.name, type(exc).__name__, op)
-        self._failing_until = asyncio.get_running_loop().time() + COOL_DOWN_S
+        if cool_down:
+            self._failing_until = asyncio.get_running_loop().time() + COOL_DOWN_S
 
     def _answered(self) -> None:
         if self._failing_until is not None:

@@ -151,7 +151,7 @@ async def test_a_store_that_is_down_costs_a_miss_is_counted_and_is_skipped_for_a
     (second,) = await embed(cache, model, "other")
     assert first.tobytes() == vector("text").tobytes() and second.tobytes() == vector("other").tobytes()
     assert metrics.store_errors[("get", "error")] == 1 and metrics.store_errors[("get", "skipped")] == 1
-    assert store.calls == {"get": 1}  # the second request did not wait for the store
+    assert store.calls["get"] == 1  # the second request did not wait for the store
     await settle()  # past the cool-down
     store.down = False
     await embed(cache, model, "text")
@@ -216,3 +216,30 @@ async def test_close_lets_the_writes_in_progress_land() -> None:
     await embed(cache, model, "text")
     await cache.aclose()
     assert len(store.data) == 1
+
+
+
+async def test_a_write_slower_than_a_read_may_be_still_lands() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    store.delay_s = TIMEOUT_S * 10
+    await embed(cache, model, "text")  # its read times out: a miss, computed
+    await asyncio.sleep(TIMEOUT_S * 20)  # the write, slower than a read may be, lands
+    assert len(store.data) == 1 and metrics.store_errors[("get", "timeout")] == 1
+    assert not [op for op, _ in metrics.store_errors if op == "set"]
+
+
+async def test_a_failed_write_is_counted_and_keeps_no_request_off_the_store() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+
+    async def refuse(entries: object) -> None:
+        raise ConnectionError("read-only")
+
+    store.set_many = refuse  # type: ignore[method-assign]
+    await embed(cache, model, "text")
+    await settle()
+    await embed(cache, model, "text")
+    await settle()
+    assert metrics.store_errors[("set", "error")] == 2
+    assert store.calls["get"] == 2  # the second request still read the store: no cool-down after a failed write
