@@ -11,9 +11,10 @@ taken here. Cases (``--cases``, default all):
   Target: no answer of any status later than 2.25 s.
 - ``long-input``: a 500,000-character text sent 20 times, one after another, beside 4 connections of small
   requests. Targets: no answer but 200, no small request slower than 1 s, model replica RSS growth under 300 MB.
-- ``scale``: the ``low-flood`` load until the autoscaler has added a replica and ``seconds`` after, then the HIGH
-  stream alone until it has removed one (at most ``settle_seconds``). Target: both seen, and no answer of 5xx
-  (nor a failed connection) at any point.
+- ``scale``: the HIGH stream alone until the model has its fewest replicas (``--min-replicas``, what earlier floods
+  left may take minutes to go), then the ``low-flood`` load until the autoscaler has added a replica and ``seconds``
+  after, then the HIGH stream alone until it has removed one (each phase at most ``settle_seconds``). Target: both
+  seen, and no answer of 5xx (nor a failed connection) at any point.
 
 Replicas are counted and measured from ``/proc`` (the service must run on this machine).
 """
@@ -55,6 +56,7 @@ class Settings:
     long_requests: int = 20
     small_connections: int = 4
     settle_seconds: float = 240.0  # the shipped config scales down after 120 s without a backlog
+    min_replicas: int = 1
     model: str = MODEL
     app: str = APP
 
@@ -83,11 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=MODEL, help=f"the model to embed with (default {MODEL})")
     parser.add_argument("--app", default=APP, help=f"the Serve application serving it (default {APP})")
     parser.add_argument("--api-key", help="sent as `Authorization: Bearer <key>`")
+    parser.add_argument("--min-replicas", type=int, default=Settings.min_replicas,
+                        help="the model's autoscaling min_replicas, where the scale case starts from (default 1)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = QUICK if args.quick else Settings()
-    settings = replace(settings, model=args.model, app=args.app)
+    settings = replace(settings, model=args.model, app=args.app, min_replicas=args.min_replicas)
     if args.seconds:
         settings = replace(settings, seconds=args.seconds)
     cases = [case.strip() for case in args.cases.split(",") if case.strip()]
@@ -241,12 +245,16 @@ async def long_input(session, texts, settings: Settings) -> dict[str, Any]:
 
 
 async def scale(session, texts, settings: Settings) -> dict[str, Any]:
+    load = Load(session, texts, settings)
+    settle_by = time.perf_counter() + settings.settle_seconds
+    replicas = lambda: len(replica_pids(settings.model_replica))  # noqa: E731
+    await load.high_stream(lambda: replicas() <= settings.min_replicas or time.perf_counter() >= settle_by)
     started = time.perf_counter()
-    replicas_before = len(replica_pids(settings.model_replica))
+    replicas_before = replicas()
     seen: dict[str, float | None] = {"up": None, "down": None}
 
     def replicas_reached(count: int, event: str) -> bool:
-        if seen[event] is None and len(replica_pids(settings.model_replica)) == count:
+        if seen[event] is None and replicas() == count:
             seen[event] = round(time.perf_counter() - started, 1)
         return seen[event] is not None
 
@@ -255,7 +263,6 @@ async def scale(session, texts, settings: Settings) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         return elapsed >= settings.settle_seconds or (up and elapsed >= seen["up"] + settings.seconds)
 
-    load = Load(session, texts, settings)
     await load.low_flood(flood_done)
     flood_ended = round(time.perf_counter() - started, 1)
     settle_by = time.perf_counter() + settings.settle_seconds
