@@ -51,7 +51,7 @@ class GuardedStore:
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         """The keys the store holds, with their values; {} if it cannot say in time."""
-        if not keys or self._skipping("get"):
+        if not keys or self._cooling_down():
             return {}
         try:
             values = await asyncio.wait_for(self._store.get_many(keys), self._timeout_s)
@@ -77,10 +77,11 @@ class GuardedStore:
     async def aclose(self) -> None:
         await self._store.aclose()
 
-    def _skipping(self, op: str) -> bool:
+    def _cooling_down(self) -> bool:
+        """A read failed a moment ago: lookups are not asked of the store (writes still are)."""
         if self._failing_until is None or asyncio.get_running_loop().time() >= self._failing_until:
             return False
-        self._metrics.store_failed(self._cache, self.name, op, "skipped")
+        self._metrics.store_failed(self._cache, self.name, "get", "skipped")
         return True
 
     def _failed(self, op: str, exc: Exception, cool_down: bool = True) -> None:
