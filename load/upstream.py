@@ -58,7 +58,8 @@ class UpstreamConfig:
     max_concurrency: int = field(default=10, metadata={"help": "calls processed at once; others wait for a slot"})
     rpm: int | None = field(default=None, metadata={"help": "requests per minute before 429 (none = no limit)"})
     tpm: int | None = field(default=None, metadata={"help": "tokens per minute before 429 (none = no limit)"})
-    error_rate: float = field(default=0.0, metadata={"help": "fraction of calls answered 500"})
+    error_rate: float = field(default=0.0, metadata={
+        "help": "fraction of calls answered 500, spread evenly: the first call after the rate is set, then one in 1/rate"})
     max_input_tokens: int = field(default=8192, metadata={"help": "an input longer than this fails its call (400)"})
     fail_marker: str | None = field(default=None, metadata={"help": "an input containing this fails its call (400)"})
     slow_marker: str | None = field(default=None, metadata={"help": "an input containing this adds slow_ms to a call"})
@@ -213,6 +214,7 @@ class SimulatedProvider:
         self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
         self._down_until = 0.0
         self._in_flight = 0
+        self._error_credit = 1.0 - config.error_rate
         self._tokenizer = cl100k()
 
     async def embeddings(self, body: bytes) -> EmbeddingsResult:
@@ -239,6 +241,8 @@ class SimulatedProvider:
             self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
         if down_for_s is not None:
             self._down_until = time.monotonic() + down_for_s
+        if config.error_rate != self.config.error_rate:
+            self._error_credit = 1.0 - config.error_rate
         self.config = config
 
     def faults(self) -> dict[str, Any]:
@@ -267,13 +271,23 @@ class SimulatedProvider:
             async with self._slots:
                 started = time.perf_counter()
                 await asyncio.sleep(self._latency_s(items, tokens))
-                if self._rng.random() < self.config.error_rate:
+                if self._fails_this_call():
                     raise ProviderError(500, "The server had an error while processing your request.", "server_error")
                 response = self._response(request, items, tokens)
                 self.stats.bill(len(items), tokens)
                 return EmbeddingsResult(response, (time.perf_counter() - started) * 1000)
         finally:
             self._in_flight -= 1
+
+    def _fails_this_call(self) -> bool:
+        # Counted, not drawn: a short fault window still sees its share of failures (a 5% draw over 20 calls gives
+        # none about a third of the time).
+        rate = self.config.error_rate
+        self._error_credit += rate
+        if rate == 0 or self._error_credit < 1.0 - 1e-9:
+            return False
+        self._error_credit -= 1.0
+        return True
 
     def _check_items(self, items: list[str] | list[list[int]]) -> list[int]:
         """Token count of every input; the first invalid input fails the call with 400 naming its index."""

@@ -188,6 +188,15 @@ def test_tokens_over_tpm_get_429_and_a_call_larger_than_tpm_gets_400() -> None:
         assert error_of(too_large)["code"] == "request_too_large"
 
 
+def test_error_rate_fails_its_exact_share_of_calls_starting_with_the_first() -> None:
+    with run_upstream(fast(error_rate=0.25)) as upstream:
+        statuses = [embed(upstream, input=["a"]).status_code for _ in range(8)]
+        upstream.set_faults(error_rate=0.5)
+        statuses += [embed(upstream, input=["a"]).status_code for _ in range(2)]
+
+    assert statuses == [500, 200, 200, 200, 500, 200, 200, 200, 500, 200]
+
+
 def test_error_rate_one_answers_every_call_500_in_openai_shape() -> None:
     with run_upstream(fast(error_rate=1.0)) as upstream:
         response = embed(upstream, input=["a", "b"])
