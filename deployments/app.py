@@ -8,6 +8,7 @@ their handles, each with the options ``deployments.sizing`` decides.
 # class, to validate the args into an AppConfig before calling it.
 from typing import Mapping
 
+from ray import serve
 from ray.serve import Application
 
 from .config import AppConfig, ModelConfig, parse_app_config
@@ -25,7 +26,7 @@ def build_app(args: AppConfig) -> Application:
 
 
 def bind_model(model: ModelConfig) -> Application:
-    return EmbeddingModel.options(**model_deployment_options(model)).bind(model)
+    return serve.deployment(EmbeddingModel).options(**model_deployment_options(model)).bind(model)
 
 
 def bind_ingress(config: AppConfig, models: Mapping[str, Application]) -> Application:

@@ -1,4 +1,5 @@
-"""``EmbeddingModel``: one model behind one ``AdaptiveBatcher`` per output size, as a Ray Serve deployment.
+"""``EmbeddingModel``: one model behind one ``AdaptiveBatcher`` per output size, what each replica of the model's
+Ray Serve deployment runs (``deployments.app`` makes the class a deployment; tests build it as it is).
 
 Every input of a request is one item in the shared queue, so a request's inputs ride with other requests' inputs,
 and a failing input fails alone. Handle callers get ``(vectors float32 [n, d], token_counts)`` or a
@@ -12,7 +13,6 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, NamedTuple, Sequence
 
 import numpy as np
-from ray import serve
 
 from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, Overloaded,
                       Priority)
@@ -44,7 +44,6 @@ def _token_cost(payload: Prepared) -> float:
     return payload.tokens
 
 
-@serve.deployment
 class EmbeddingModel:
     def __init__(
         self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,

@@ -1,11 +1,10 @@
-"""``EmbeddingsIngress``: the OpenAI-compatible HTTP API, in front of one ``EmbeddingModel`` deployment per model.
+"""The OpenAI-compatible HTTP API, in front of one ``EmbeddingModel`` deployment per model: ``create_api`` builds it
+for a mapping of model names to handles, and ``EmbeddingsIngress`` is the Serve deployment that serves it.
 
 Routes: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /healthz``. Every error,
 including malformed bodies and unknown routes, is answered in OpenAI's shape ``{"error": {...}}``.
 """
 
-# No `from __future__ import annotations` here: Serve re-signs the route methods, and FastAPI must see real
-# annotations (e.g. `Request`) to inject them rather than read them as query or body fields.
 import asyncio
 import logging
 import time
@@ -39,67 +38,47 @@ BODY_READ_TIMEOUT_S = 30.0
 # grpc_timeout_header_offset does), at most a tenth of the timeout: a 504 at 2 s + 0.35 s would come too late.
 DEADLINE_MARGIN_S = 0.25
 
-app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
 
-
-@app.exception_handler(ServiceError)
-async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-    return error_response(exc)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    param = ".".join(location) or None
-    return error_response(InvalidRequest(f"'{param}': {message}" if param else message, param=param))
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
-        return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
-    if exc.status_code == 405:
-        return error_response(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
-    return status_response(exc.status_code, str(exc.detail))
-
-
-@app.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ServiceError("the server failed to process the request"))
-
-
-def _answer_by(timeout_s: float | None) -> float | None:
-    """The ``time.monotonic()`` moment by which a request with this timeout must have its answer sent."""
-    if timeout_s is None:
-        return None
-    return time.monotonic() + timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _loop_time(monotonic_at: float) -> float:
-    """A ``time.monotonic()`` moment on the running loop's clock."""
-    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
+def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
+    with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
+    none is asked for)."""
+    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes)
+    app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_api_route("/v1/embeddings", routes.create_embeddings, methods=["POST"])
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
+    app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
+    return app
 
 
 @serve.deployment
-@serve.ingress(app)
+@serve.ingress()  # no app yet: Serve asks each replica for it, after __init__, through __serve_build_asgi_app__
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        api_keys = ApiKeys.from_env()
+        self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes)
+        logger.info("embeddings ingress serving %s; API keys %s",
+                    sorted(models), "required" if api_keys.required else "not required")
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._api
+
+
+class _Routes:
+    """The route handlers, bound to the models and limits of one API."""
+
+    def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int) -> None:
         self._models = {name: ModelForwarder(handle) for name, handle in models.items()}
-        self._api_keys = ApiKeys.from_env()
+        self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
-        logger.info("embeddings ingress serving %s; API keys %s",
-                    sorted(self._models), "required" if self._api_keys.required else "not required")
 
-    @app.post("/v1/embeddings")
     async def create_embeddings(self, request: Request) -> Response:
         headers = request.headers
         deadline = _answer_by(schemas.parse_timeout(headers.get("x-request-timeout")))  # reading the body counts
@@ -114,19 +93,16 @@ class EmbeddingsIngress:
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")
 
-    @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
         self._api_keys.check(request.headers.get("authorization"))
         return {"object": "list", "data": [self._card(name) for name in self._models]}
 
-    @app.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str, request: Request) -> dict[str, Any]:
         self._api_keys.check(request.headers.get("authorization"))
         if model_id not in self._models:
             raise self._unknown_model(model_id)
         return self._card(model_id)
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz(self) -> dict[str, Any]:
         return {"status": "ok", "models": sorted(self._models)}
 
@@ -188,3 +164,47 @@ class EmbeddingsIngress:
     def _unknown_model(self, name: str, param: str | None = None) -> ModelNotFound:
         known = ", ".join(sorted(self._models))
         return ModelNotFound(f"the model {schemas.shortened(name)!r} does not exist; available: {known}", param=param)
+
+
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    param = ".".join(location) or None
+    return error_response(InvalidRequest(f"'{param}': {message}" if param else message, param=param))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
+    return status_response(exc.status_code, str(exc.detail))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ServiceError("the server failed to process the request"))
+
+
+def _answer_by(timeout_s: float | None) -> float | None:
+    """The ``time.monotonic()`` moment by which a request with this timeout must have its answer sent."""
+    if timeout_s is None:
+        return None
+    return time.monotonic() + timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _loop_time(monotonic_at: float) -> float:
+    """A ``time.monotonic()`` moment on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
+
+

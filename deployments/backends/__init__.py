@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared, UpstreamError
 
 if TYPE_CHECKING:
+    import httpx
+
     from ..config import ModelConfig
 
 __all__ = ["EmbeddingBackend", "Item", "ItemRejected", "Prepared", "UpstreamError", "make_backend"]
 
 
-def make_backend(model: "ModelConfig") -> EmbeddingBackend:
-    """The backend a model entry names; heavy imports (torch, onnxruntime, openai) happen only for the one used."""
+def make_backend(model: "ModelConfig", *, http_client: "httpx.AsyncClient | None" = None) -> EmbeddingBackend:
+    """The backend a model entry names; heavy imports (torch, onnxruntime, openai) happen only for the one used.
+    ``http_client``: what the ``openai`` backend sends its requests through (by default the ``openai`` client's own)."""
     if model.backend == "local":
         from .local import LocalBackend
 
@@ -27,5 +30,6 @@ def make_backend(model: "ModelConfig") -> EmbeddingBackend:
             upstream_model=model.upstream_model or model.name,
             api_key_env=model.api_key_env,
             timeout_s=model.upstream_timeout_s,
+            http_client=http_client,
         )
     raise ValueError(f"unknown backend {model.backend!r}")

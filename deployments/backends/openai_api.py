@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+import httpx
 import numpy as np
 import openai
 
@@ -42,11 +43,13 @@ class OpenAIBackend(EmbeddingBackend):
         upstream_model: str,
         api_key_env: str | None = None,
         timeout_s: float = 30.0,
+        http_client: httpx.AsyncClient | None = None,
     ) -> None:
+        """``http_client``: what the ``openai`` client sends its requests through (by default its own)."""
         api_key = read_secret(api_key_env, os.environ) if api_key_env else ""
         self._api_key = api_key
         self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s
+            base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s, http_client=http_client
         )
         self._model = upstream_model
         self._encoding = tokens.encoding_name_for_model(upstream_model)

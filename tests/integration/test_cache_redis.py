@@ -92,7 +92,7 @@ async def test_redis_killed_while_requests_are_in_flight_costs_no_request(
     config = ModelConfig(name="fake", backend="openai", base_url="http://upstream/v1",
                          batcher=BatcherConfig(max_batch_size=32, max_wait_ms=2.0, max_concurrent_batches=2),
                          cache=CacheConfig(store="redis", timeout_ms=100.0))
-    model = EmbeddingModel.func_or_class(config, backend=SlowBackend(), metrics=BatcherMetrics(),
+    model = EmbeddingModel(config, backend=SlowBackend(), metrics=BatcherMetrics(),
                                          cache_metrics=metrics)
     texts = [f"document {i % 150}" for i in range(600)]  # each text four times over the run
 

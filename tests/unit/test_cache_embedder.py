@@ -26,7 +26,7 @@ def make_model(backend: FakeBackend, cache_dir: Path | None, metrics: RecordingM
     config = ModelConfig(name="fake", backend="openai", base_url="http://upstream/v1", upstream_model="fake-1",
                          batcher=BatcherConfig(max_batch_size=16, max_wait_ms=1.0, max_concurrent_batches=2),
                          cache=cache)
-    return EmbeddingModel.func_or_class(config, backend=backend, metrics=BatcherMetrics(),
+    return EmbeddingModel(config, backend=backend, metrics=BatcherMetrics(),
                                         cache_metrics=metrics or RecordingMetrics())
 
 

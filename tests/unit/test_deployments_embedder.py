@@ -64,7 +64,7 @@ _open_models: list[EmbeddingModel] = []
 def make_model(backend: FakeBackend, **batching) -> EmbeddingModel:
     settings = {"max_batch_size": 16, "max_wait_ms": 5.0, "max_concurrent_batches": 1, **batching}
     config = ModelConfig(name="fake", backend="local", batcher=BatcherConfig(**settings))
-    model = EmbeddingModel.func_or_class(config, backend=backend, metrics=BatcherMetrics())
+    model = EmbeddingModel(config, backend=backend, metrics=BatcherMetrics())
     _open_models.append(model)
     return model
 

@@ -47,7 +47,7 @@ async def make_model(upstream):
             name="sim", backend="openai", base_url=base_url or upstream.base_url,
             upstream_model="text-embedding-3-small", upstream_timeout_s=5.0, batcher=BatcherConfig(**settings),
         )
-        model = EmbeddingModel.func_or_class(config, metrics=BatcherMetrics())
+        model = EmbeddingModel(config, metrics=BatcherMetrics())
         models.append(model)
         return model
 
