@@ -1,9 +1,11 @@
-"""Load generators that drive an "embed one text" call and record what each caller saw.
+"""The load generator: closed and open loop, and runs of "embed one text" calls that record what each caller saw.
 
-- ``closed_loop``: a fixed pool of callers, each embedding one text at a time (the article's experiment).
-- ``open_loop``: texts arrive at given times whatever happens to earlier ones (Poisson traffic); latency counts
-  from the scheduled arrival, so a generator that falls behind does not hide queueing. Items still unfinished when
-  the run's time cap passes are cancelled and reported as backlog.
+- ``send_closed_loop``: a fixed pool of callers, each sending one call and waiting for it before the next.
+- ``send_open_loop``: calls go out at given times whatever happens to earlier ones (Poisson traffic). Calls still
+  unfinished when the run's time cap passes are cancelled.
+- ``closed_loop`` / ``open_loop``: those two over a list of texts, each text embedded once, recorded in a
+  ``RunResult``. Open-loop latency counts from the scheduled arrival, so a generator that falls behind does not hide
+  queueing; items cancelled at the cap are reported as backlog.
 
 Results are kept and checked against ``load.hashvec`` after the timed part, so checking costs the run nothing.
 """
@@ -11,14 +13,16 @@ Results are kept and checked against ``load.hashvec`` after the timed part, so c
 from __future__ import annotations
 
 import asyncio
-import math
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from load.hashvec import matches
+from load.stats import latency_summary, percentile
 
 EmbedOne = Callable[[str], Awaitable[Any]]
+Until = Callable[[], bool]  # once it holds, nothing more is sent
 
 
 @dataclass
@@ -46,7 +50,7 @@ class RunResult:
 
     def percentile_ms(self, pct: float) -> float:
         """Latency percentile over every submitted item; an item that never completed counts as infinitely late."""
-        return censored_percentile(self.latencies_ms, self.submitted - self.completed, pct)
+        return percentile(self.latencies_ms, pct, self.submitted - self.completed)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -58,26 +62,9 @@ class RunResult:
             "mismatches": self.mismatches,
             "elapsed_s": self.elapsed_s,
             "items_per_s": self.throughput,
-            "p50_ms": _finite_or_none(self.percentile_ms(50)),
-            "p99_ms": _finite_or_none(self.percentile_ms(99)),
-            "mean_ms": sum(self.latencies_ms) / len(self.latencies_ms) if self.latencies_ms else None,
+            **latency_summary(self.latencies_ms, self.submitted - self.completed),
             "cpu_s": self.cpu_s,
         }
-
-
-def censored_percentile(values: Sequence[float], missing: int, pct: float) -> float:
-    """Nearest-rank percentile of ``values`` plus ``missing`` values known only to be larger than all of them."""
-    total = len(values) + missing
-    if total == 0:
-        return math.nan
-    rank = max(1, math.ceil(pct / 100 * total))
-    if rank > len(values):
-        return math.inf
-    return sorted(values)[rank - 1]
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 class _Recorder:
@@ -119,45 +106,49 @@ class _Recorder:
         )
 
 
-async def closed_loop(embed: EmbedOne, texts: Sequence[str], callers: int) -> RunResult:
-    """``callers`` callers share ``texts``; each embeds one text, waits for it, then takes the next."""
-    recorder = _Recorder(len(texts))
-    next_index = iter(range(len(texts)))
+async def send_closed_loop(
+    send: Callable[[int], Awaitable[Any]], callers: int, count: int | None = None, until: Until | None = None
+) -> None:
+    """``callers`` callers each ``send(i)`` for the next index ``i`` and wait for it, until ``count`` indexes are
+    taken (with None, never) or ``until()`` holds."""
+    indexes = iter(range(count)) if count is not None else itertools.count()
 
     async def caller() -> None:
-        for index in next_index:
-            await recorder.call(embed, index, texts[index], time.perf_counter())
+        for index in indexes:
+            if until is not None and until():
+                return
+            await send(index)
 
-    cpu_start, start = time.process_time(), time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(callers)))
-    elapsed = time.perf_counter() - start
-    return recorder.result(texts, elapsed, time.process_time() - cpu_start)
 
 
-async def open_loop(
-    embed: EmbedOne, texts: Sequence[str], offsets: Sequence[float], cap_s: float, stop: asyncio.Event | None = None
-) -> RunResult:
-    """Submit ``texts[i]`` at ``offsets[i]`` seconds from the start; stop waiting ``cap_s`` after the start.
+@dataclass(frozen=True)
+class OpenLoopRun:
+    start: float  # perf_counter at the start; send i was scheduled for start + offsets[i]
+    submitted: int  # sends made (none after ``until()`` held)
+    unfinished: int  # sends cancelled at the cap
 
-    Items unfinished at the cap are cancelled and count as backlog. Once ``stop`` is set nothing more arrives
-    (what was submitted is still waited for, up to the cap).
-    """
-    if len(texts) != len(offsets):
-        raise ValueError("one offset per text")
-    recorder = _Recorder(len(texts))
+
+async def send_open_loop(
+    send: Callable[[int, float], Awaitable[Any]], offsets: Sequence[float], cap_s: float, until: Until | None = None
+) -> OpenLoopRun:
+    """``send(i, scheduled_at)`` at ``offsets[i]`` seconds from the start, whatever became of earlier sends; stop
+    waiting ``cap_s`` after the start and cancel what is unfinished then. Once ``until()`` holds nothing more is sent
+    (what was sent is still waited for, up to the cap)."""
     tasks: list[asyncio.Task] = []
-    cpu_start, start = time.process_time(), time.perf_counter()
+    start = time.perf_counter()
 
     async def arrivals() -> None:
-        for index, (text, offset) in enumerate(zip(texts, offsets)):
+        for index, offset in enumerate(offsets):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if stop is not None and stop.is_set():
+            if until is not None and until():
                 return
-            tasks.append(asyncio.ensure_future(recorder.call(embed, index, text, start + offset)))
+            tasks.append(asyncio.ensure_future(send(index, start + offset)))
 
     feeder = asyncio.ensure_future(arrivals())
+    unfinished: list[asyncio.Task] = []
     try:
         await asyncio.wait_for(asyncio.shield(feeder), timeout=cap_s)
         remaining = cap_s - (time.perf_counter() - start)
@@ -171,10 +162,33 @@ async def open_loop(
         for task in unfinished:
             task.cancel()
         await asyncio.gather(feeder, *unfinished, return_exceptions=True)
-    end = recorder.last_done if not unfinished and recorder.latencies_ms else time.perf_counter()
-    elapsed = min(end, start + cap_s) - start
+    return OpenLoopRun(start, len(tasks), len(unfinished))
+
+
+async def closed_loop(embed: EmbedOne, texts: Sequence[str], callers: int) -> RunResult:
+    """``callers`` callers share ``texts``; each embeds one text, waits for it, then takes the next."""
+    recorder = _Recorder(len(texts))
+    cpu_start, start = time.process_time(), time.perf_counter()
+    await send_closed_loop(lambda index: recorder.call(embed, index, texts[index], time.perf_counter()),
+                           callers, len(texts))
+    elapsed = time.perf_counter() - start
+    return recorder.result(texts, elapsed, time.process_time() - cpu_start)
+
+
+async def open_loop(
+    embed: EmbedOne, texts: Sequence[str], offsets: Sequence[float], cap_s: float, until: Until | None = None
+) -> RunResult:
+    """Embed ``texts[i]`` at ``offsets[i]`` seconds from the start (``send_open_loop``); items unfinished at the cap
+    count as backlog, arrivals after ``until()`` held never happened."""
+    if len(texts) != len(offsets):
+        raise ValueError("one offset per text")
+    recorder = _Recorder(len(texts))
+    cpu_start = time.process_time()
+    run = await send_open_loop(lambda index, at: recorder.call(embed, index, texts[index], at), offsets, cap_s, until)
+    end = recorder.last_done if not run.unfinished and recorder.latencies_ms else time.perf_counter()
+    elapsed = min(end, run.start + cap_s) - run.start
     result = recorder.result(texts, elapsed, time.process_time() - cpu_start)
-    result.submitted = len(tasks)  # arrivals after the cap never happened
+    result.submitted = run.submitted
     return result
 
 

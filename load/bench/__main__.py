@@ -11,7 +11,8 @@ from typing import Sequence
 from .report import RESULTS_DIR
 
 # Scenario name -> module. A module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; its docstring's
-# first line is the subcommand's help. Adding a scenario is one line here.
+# first line is the subcommand's help. Every scenario takes ``--results-dir`` and ``--quick`` (a tiny run: its
+# ``QUICK`` settings, see ``options.chosen_settings``). Adding a scenario is one line here.
 SCENARIOS: dict[str, str] = {
     "overhead": "load.bench.overhead",
     "seed-table": "load.bench.seed_table",
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--results-dir", type=Path, default=RESULTS_DIR, help=f"where Markdown and JSON go (default {RESULTS_DIR})"
     )
+    common.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     subcommands = parser.add_subparsers(dest="scenario", required=True, metavar="scenario")
     for name, module_name in SCENARIOS.items():
         module = importlib.import_module(module_name)

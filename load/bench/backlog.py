@@ -23,21 +23,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import aiohttp
 
-from load.loadgen import censored_percentile
-from load.workload import pseudo_sentences
+from load.loadgen import Until, send_closed_loop, send_open_loop
+from load.stats import finite_or_none, percentile
+from load.workload import poisson_arrivals, pseudo_sentences
 
-from .report import machine_info, markdown_table, write_results
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .shipped_service import MODEL, SERVICE, packaged_model_path
 
-MODEL = "all-MiniLM-L6-v2"
+REQUEST_TIMEOUT_S = 600.0  # the client's bound on any one request
 DEADLINE_S = 2.0
 ON_TIME_S = 2.25
 APP = "embeddings"
@@ -60,6 +62,10 @@ class Settings:
     model: str = MODEL
     app: str = APP
 
+    def __post_init__(self) -> None:
+        if self.seconds <= 0:
+            raise ValueError("backlog: --seconds must be > 0")
+
     @property
     def model_replica(self) -> str:
         """What a model replica's process title holds."""
@@ -78,7 +84,6 @@ class Answer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     parser.add_argument("--url", help="a running service (default: start the shipped one)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--seconds", type=float, help=f"length of each flood (default {Settings.seconds:g})")
@@ -90,10 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = QUICK if args.quick else Settings()
-    settings = replace(settings, model=args.model, app=args.app, min_replicas=args.min_replicas)
-    if args.seconds:
-        settings = replace(settings, seconds=args.seconds)
+    settings = chosen_settings(args, Settings(), QUICK)
     cases = [case.strip() for case in args.cases.split(",") if case.strip()]
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -101,7 +103,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.url:
         return asyncio.run(measure(args.url, settings, cases, getattr(args, "results_dir", None), headers))
-    from .peers import SERVICE, packaged_model_path
     from load.peers.launch import DEFAULT_PEERS_DIR, running
 
     with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as url:
@@ -112,16 +113,13 @@ async def measure(url: str, settings: Settings, cases: Sequence[str], results_di
                   headers: dict[str, str] | None = None) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(url.rstrip("/") + "/", connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+                                     timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
         texts = iter(pseudo_sentences(200_000, 120, seed=int(time.time())))
         results = {}
         for case in cases:
             results[case] = await CASE_RUNNERS[case](session, texts, settings)
-    data = {"machine": machine_info(), "settings": asdict(settings), "url": url, "cases": results}
-    md_path, json_path = write_results("backlog", "The backlog under floods, at the client", render(data), data,
-                                       results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    return data
+    data = {"settings": asdict(settings), "url": url, "cases": results}
+    return write_report("backlog", "The backlog under floods, at the client", render(data), data, results_dir)
 
 
 async def _post(session: aiohttp.ClientSession, model: str, kind: str, inputs: list[str], answers: list[Answer],
@@ -142,26 +140,9 @@ async def _post(session: aiohttp.ClientSession, model: str, kind: str, inputs: l
     return answer
 
 
-Until = Callable[[], bool]  # when a stream stops
-
-
 def _for(seconds: float) -> Until:
     stop_at = time.perf_counter() + seconds
     return lambda: time.perf_counter() >= stop_at
-
-
-async def _back_to_back(until: Until, send) -> None:
-    while not until():
-        await send()
-
-
-async def _poisson(until: Until, rate: float, send) -> None:
-    calls = []
-    rng = random.Random(1)
-    while not until():
-        calls.append(asyncio.ensure_future(send()))
-        await asyncio.sleep(rng.expovariate(rate))
-    await asyncio.gather(*calls)
 
 
 class Load:
@@ -180,13 +161,16 @@ class Load:
     def low(self) -> Any:
         return self.send("low", [next(self.texts) for _ in range(self.settings.low_inputs)], priority="low")
 
-    async def high_stream(self, until: Until) -> None:
-        await _poisson(until, self.settings.high_rate, self.high)
+    async def high_stream(self, within_s: float, until: Until | None = None) -> None:
+        """HIGH single texts at Poisson arrivals for ``within_s``, or until ``until()`` holds."""
+        offsets = poisson_arrivals(self.settings.high_rate, 1_000_000, within_s, seed=1)
+        await send_open_loop(lambda index, at: self.high(), offsets, within_s + REQUEST_TIMEOUT_S, until)
 
-    async def low_flood(self, until: Until) -> None:
-        """The LOW bulk flood beside the HIGH stream."""
-        await asyncio.gather(self.high_stream(until),
-                             *(_back_to_back(until, self.low) for _ in range(self.settings.low_connections)))
+    async def low_flood(self, within_s: float, until: Until | None = None) -> None:
+        """The LOW bulk flood beside the HIGH stream, each connection sending back to back."""
+        until = until or _for(within_s)
+        await asyncio.gather(self.high_stream(within_s, until),
+                             send_closed_loop(lambda index: self.low(), self.settings.low_connections, until=until))
 
     def of(self, kind: str) -> list[Answer]:
         return [a for a in self.answers if a.kind == kind]
@@ -194,9 +178,9 @@ class Load:
 
 async def low_flood(session, texts, settings: Settings) -> dict[str, Any]:
     calm = Load(session, texts, settings)
-    await calm.high_stream(_for(settings.calm_seconds))
+    await calm.high_stream(settings.calm_seconds)
     flood = Load(session, texts, settings)
-    await flood.low_flood(_for(settings.seconds))
+    await flood.low_flood(settings.seconds)
     flood_high = flood.of("high")
     on_time = sum(1 for a in flood_high if a.status == 200 and a.latency_s <= ON_TIME_S)
     share = on_time / len(flood_high) if flood_high else 0.0
@@ -209,9 +193,8 @@ async def low_flood(session, texts, settings: Settings) -> dict[str, Any]:
 
 async def deadline_flood(session, texts, settings: Settings) -> dict[str, Any]:
     load = Load(session, texts, settings)
-    until = _for(settings.seconds)
-    one = lambda: load.send("single", [next(texts)], timeout_s=DEADLINE_S)  # noqa: E731
-    await asyncio.gather(*(_back_to_back(until, one) for _ in range(settings.deadline_connections)))
+    one = lambda index: load.send("single", [next(texts)], timeout_s=DEADLINE_S)  # noqa: E731
+    await send_closed_loop(one, settings.deadline_connections, until=_for(settings.seconds))
     result = summary(load.answers)
     return {**result, "target_met": result["max_ms"] is not None and result["max_ms"] <= ON_TIME_S * 1000}
 
@@ -246,9 +229,8 @@ async def long_input(session, texts, settings: Settings) -> dict[str, Any]:
 
 async def scale(session, texts, settings: Settings) -> dict[str, Any]:
     load = Load(session, texts, settings)
-    settle_by = time.perf_counter() + settings.settle_seconds
     replicas = lambda: len(replica_pids(settings.model_replica))  # noqa: E731
-    await load.high_stream(lambda: replicas() <= settings.min_replicas or time.perf_counter() >= settle_by)
+    await load.high_stream(settings.settle_seconds, lambda: replicas() <= settings.min_replicas)
     started = time.perf_counter()
     replicas_before = replicas()
     seen: dict[str, float | None] = {"up": None, "down": None}
@@ -263,10 +245,9 @@ async def scale(session, texts, settings: Settings) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         return elapsed >= settings.settle_seconds or (up and elapsed >= seen["up"] + settings.seconds)
 
-    await load.low_flood(flood_done)
+    await load.low_flood(settings.settle_seconds, flood_done)
     flood_ended = round(time.perf_counter() - started, 1)
-    settle_by = time.perf_counter() + settings.settle_seconds
-    await load.high_stream(lambda: replicas_reached(replicas_before, "down") or time.perf_counter() >= settle_by)
+    await load.high_stream(settings.settle_seconds, lambda: replicas_reached(replicas_before, "down"))
     failed = sum(1 for a in load.answers if a.status >= 500 or a.status == 0)
     return {
         "replicas_before": replicas_before, "scaled_up_after_s": seen["up"], "flood_ended_after_s": flood_ended,
@@ -280,12 +261,9 @@ CASE_RUNNERS = {"low-flood": low_flood, "deadline-flood": deadline_flood, "long-
 
 def summary(answers: Sequence[Answer]) -> dict[str, Any]:
     latencies = [a.latency_s * 1000 for a in answers]
-
-    def pct(p: float) -> float | None:
-        return censored_percentile(latencies, 0, p) if latencies else None
-
     return {"requests": len(answers), "statuses": dict(Counter(str(a.status) for a in answers)),
-            "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": max(latencies, default=None)}
+            "p50_ms": finite_or_none(percentile(latencies, 50)), "p99_ms": finite_or_none(percentile(latencies, 99)),
+            "max_ms": max(latencies, default=None)}
 
 
 def replica_pids(title: str) -> list[int]:

@@ -26,31 +26,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from embed_bulk.settings import BulkSettings
-from load.loadgen import RunResult, check, closed_loop, count_mismatches, open_loop
+from load.loadgen import check, closed_loop
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
-from load.workload import poisson_arrivals, pseudo_sentences
+from load.workload import pseudo_sentences
 
-from .e2e import MODEL, model_entry
-from .harness import chosen_settings
-from .report import machine_info, markdown_table, write_results
-from .serving import UNBATCHED, deployed, run_with_upstream_and_service
+from .bulk_job import bulk_job, high_stream, write_documents
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .serving import SIM_MODEL, UNBATCHED, deployed, run_with_upstream_and_service, sim_model_entry
 from .upstream_process import add_upstream_arguments
 
 TARGET_CALLS_PER_DOCUMENT = 0.01
 TARGET_HIGH_P99_RATIO = 1.5
-STREAM_CAP_S = 3600.0  # a stream during a job ends with the job; this only bounds a job that never ends
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,6 @@ QUICK = Settings(documents=400, unbatched_documents=40, unbatched_callers=8, hig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     for setting in fields(Settings):
         flag = f"--{setting.name.replace('_', '-')}"
         if setting.type == "bool":
@@ -94,32 +87,31 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
     from deployments.app import build_app
 
     base_url = f"{root_url}/v1"
-    apps = {"adaptive": build_app({"models": [model_entry(base_url)]}),
-            "unbatched": build_app({"models": [model_entry(base_url, **UNBATCHED)]})}
+    apps = {"adaptive": build_app({"models": [sim_model_entry(base_url)]}),
+            "unbatched": build_app({"models": [sim_model_entry(base_url, **UNBATCHED)]})}
     if settings.contention_control:
-        apps["interactive"] = build_app({"models": [model_entry(base_url)]})
+        apps["interactive"] = build_app({"models": [sim_model_entry(base_url)]})
     documents = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
     stream_texts = pseudo_sentences(int(settings.high_rate_per_s * 1800), settings.mean_chars, seed=1)
-    with deployed(proxy, apps, MODEL) as targets, tempfile.TemporaryDirectory(prefix="bench-bulk-") as work:
+    with deployed(proxy, apps, SIM_MODEL) as targets, tempfile.TemporaryDirectory(prefix="bench-bulk-") as work:
         urls = {target.label: target.url for target in targets}
         input_path = write_documents(documents, Path(work) / "documents.jsonl")
         runs = asyncio.run(_all_runs(urls, root_url, documents, stream_texts, input_path, settings, upstream.dim))
     data = summarise(runs, settings, upstream)
-    md_path, json_path = write_results("bulk", "The nightly bulk job through the full service", render(data), data,
-                                       results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("bulk", "The nightly bulk job through the full service", render(data), data, results_dir)
 
 
 async def _all_runs(urls: dict[str, str], root_url: str, documents: Sequence[str], stream_texts: Sequence[str],
                     input_path: Path, settings: Settings, dim: int) -> dict[str, Any]:
     async with UpstreamClient(root_url) as upstream:
-        job = functools.partial(bulk_job, urls["adaptive"], upstream, documents, input_path, settings, dim)
+        job = functools.partial(bulk_job, urls["adaptive"], upstream, documents, input_path, dim,
+                                concurrency=settings.job_concurrency, batch_size=settings.job_batch_size,
+                                stream_rate_per_s=settings.high_rate_per_s)
         runs: dict[str, Any] = {
             "one_request_per_document": await one_request_per_document(
                 urls["unbatched"], upstream, documents[: settings.unbatched_documents], settings, dim),
-            "high_alone": (await high_stream(urls["adaptive"], stream_texts, settings, dim)).summary(),
+            "high_alone": (await high_stream(urls["adaptive"], stream_texts, settings.high_rate_per_s,
+                                             settings.baseline_s, dim)).summary(),
             "job_alone": await job(),
             "job_with_high": await job(stream_texts=stream_texts),
         }
@@ -132,87 +124,14 @@ async def _all_runs(urls: dict[str, str], root_url: str, documents: Sequence[str
     return runs
 
 
-def write_documents(documents: Sequence[str], path: Path) -> Path:
-    with path.open("w", encoding="utf-8") as file:
-        for index, text in enumerate(documents):
-            file.write(json.dumps({"id": document_id(index), "text": text}) + "\n")
-    return path
-
-
-def document_id(index: int) -> str:
-    return f"doc-{index:06d}"
-
-
 async def one_request_per_document(url: str, upstream: UpstreamClient, documents: Sequence[str],
                                    settings: Settings, dim: int) -> dict[str, Any]:
     await upstream.wait_idle()
     before = (await upstream.stats())["calls"]
-    async with UpstreamClient(url, model=MODEL) as client:
+    async with UpstreamClient(url, model=SIM_MODEL) as client:
         result = check(await closed_loop(client.embed_one, documents, settings.unbatched_callers), documents, dim)
     calls = (await upstream.stats())["calls"] - before
     return {**result.summary(), "documents": len(documents), "upstream_calls": calls}
-
-
-async def high_stream(url: str, texts: Sequence[str], settings: Settings, dim: int,
-                      stop: asyncio.Event | None = None) -> RunResult:
-    """Single HIGH texts at Poisson arrivals: for ``settings.baseline_s``, or until ``stop`` is set."""
-    duration_s = settings.baseline_s if stop is None else STREAM_CAP_S
-    offsets = poisson_arrivals(settings.high_rate_per_s, len(texts), duration_s, seed=2)
-    texts = texts[: len(offsets)]
-    async with UpstreamClient(url, model=MODEL, priority="high") as client:
-        result = await open_loop(client.embed_one, texts, offsets, duration_s + 60.0, stop=stop)
-    return check(result, texts, dim)
-
-
-async def bulk_job(url: str, upstream: UpstreamClient, documents: Sequence[str], input_path: Path,
-                   settings: Settings, dim: int, *, stream_texts: Sequence[str] | None = None,
-                   stream_url: str | None = None, priority: str = "low",
-                   max_rate: float | None = None) -> dict[str, Any]:
-    """``python -m embed_bulk`` over every document into a fresh ``.npy``; with ``stream_texts``, a HIGH stream (to
-    ``stream_url``, by default the job's own ``url``) runs from the job's first upstream call until it exits."""
-    await upstream.wait_idle()
-    output_path = input_path.with_name(f"vectors-{time.monotonic_ns()}.npy")
-    before = (await upstream.stats())["calls"]
-    command = [sys.executable, "-m", "embed_bulk", str(input_path), str(output_path), "--base-url", f"{url}/v1",
-               "--model", MODEL, "--priority", priority, "--concurrency", str(settings.job_concurrency),
-               "--batch-size", str(settings.job_batch_size), "--progress", "never"]
-    if max_rate is not None:
-        command += ["--max-rate", str(max_rate)]
-    started = time.perf_counter()
-    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
-                                                   stderr=asyncio.subprocess.PIPE)
-    finished = asyncio.ensure_future(process.communicate())
-    stream: RunResult | None = None
-    if stream_texts is not None:
-        stop = asyncio.Event()
-        finished.add_done_callback(lambda _: stop.set())
-        while not finished.done() and (await upstream.stats())["calls"] == before:
-            await asyncio.sleep(0.02)
-        stream = await high_stream(stream_url or url, stream_texts, settings, dim, stop)
-    _, stderr = await finished
-    wall_s = time.perf_counter() - started
-    calls = (await upstream.stats())["calls"] - before
-    report = stderr.decode("utf-8", "replace").strip()
-    if process.returncode != 0:
-        raise RuntimeError(f"embed-bulk exited with {process.returncode}:\n{report[-3000:]}")
-    job = {"documents": len(documents), "priority": priority, "max_rate": max_rate, "wall_s": wall_s,
-           "documents_per_s": len(documents) / wall_s, "upstream_calls": calls,
-           "upstream_calls_include_stream": stream is not None, "embed_bulk_report": report.splitlines(),
-           **check_output(output_path, documents, dim)}
-    if stream is not None:
-        job["high_stream"] = stream.summary()
-    return job
-
-
-def check_output(output_path: Path, documents: Sequence[str], dim: int) -> dict[str, int]:
-    """Rows, misplaced ids and vectors not matching their document's hash in the job's ``.npy`` output."""
-    matrix = np.load(output_path)
-    ids_path = output_path.with_name(output_path.name + ".ids.jsonl")
-    ids = [json.loads(line) for line in ids_path.read_text(encoding="utf-8").splitlines()]
-    expected = [document_id(index) for index in range(len(documents))]
-    misplaced = sum(found != wanted for found, wanted in zip(ids, expected)) + abs(len(ids) - len(expected))
-    mismatches = count_mismatches(documents, list(matrix), dim)
-    return {"rows": len(matrix), "misplaced_ids": misplaced, "mismatches": mismatches}
 
 
 def summarise(runs: dict[str, Any], settings: Settings, upstream: UpstreamConfig) -> dict[str, Any]:
@@ -221,7 +140,6 @@ def summarise(runs: dict[str, Any], settings: Settings, upstream: UpstreamConfig
     calls_per_document = job["upstream_calls"] / job["documents"]
     projected_s = settings.documents / unbatched["items_per_s"] if unbatched["items_per_s"] else None
     return {
-        "machine": machine_info(),
         "settings": asdict(settings),
         "upstream": asdict(upstream),
         "runs": runs,

@@ -33,11 +33,10 @@ from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
-from .bulk import bulk_job, write_documents
-from .e2e import MODEL, model_entry
-from .harness import chosen_settings
-from .report import machine_info, markdown_table, write_results
-from .serving import deployed, run_with_upstream_and_service
+from .bulk_job import bulk_job, write_documents
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .serving import SIM_MODEL, deployed, run_with_upstream_and_service, sim_model_entry
 from .upstream_process import add_upstream_arguments
 
 TARGET_TOKEN_SHARE = 0.08
@@ -75,7 +74,6 @@ QUICK = Settings(documents=400)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
     for setting in fields(Settings):
         kind = {"int": int, "float": float}.get(setting.type, str)
         parser.add_argument(f"--{setting.name.replace('_', '-')}", type=kind,
@@ -98,15 +96,12 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
     with tempfile.TemporaryDirectory(prefix="bench-bulk-rerun-") as work, ExitStack() as servers:
         entries = {name: cached_entry(name, f"{root_url}/v1", Path(work), servers) for name in settings.store_names}
         apps = {name: build_app({"models": [entry]}) for name, entry in entries.items()}
-        with deployed(proxy, apps, MODEL) as targets:
+        with deployed(proxy, apps, SIM_MODEL) as targets:
             nights = asyncio.run(_both_nights({t.label: t.url for t in targets}, root_url, night_1, night_2,
                                               stream_texts, Path(work), settings, upstream.dim))
     data = summarise(nights, settings, upstream)
-    md_path, json_path = write_results("bulk_rerun", "The nightly job re-run with the embedding cache",
-                                       render(data), data, results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("bulk_rerun", "The nightly job re-run with the embedding cache", render(data), data,
+                        results_dir)
 
 
 def next_night(documents: Sequence[str], settings: Settings, seed: int = 3) -> list[str]:
@@ -133,8 +128,9 @@ def _edit(text: str, rng: random.Random, words: Sequence[str]) -> str:
 
 
 def cached_entry(store: str, base_url: str, work: Path, servers: ExitStack) -> dict[str, Any]:
-    """The ``bulk`` benchmark's model entry with the cache ``store`` names (``none``: without a cache)."""
-    entry = model_entry(base_url)
+    """The simulated upstream's model entry (as ``bulk`` deploys it) with the cache ``store`` names (``none``: without
+    a cache)."""
+    entry = sim_model_entry(base_url)
     if store == "disk":
         entry["cache"] = {"store": "disk", "directory": str(work / "vectors"), "max_bytes": 4 * 1024**3}
     elif store == "redis":
@@ -156,8 +152,9 @@ async def _both_nights(urls: dict[str, str], root_url: str, night_1: Sequence[st
         for store, url in urls.items():
             nights[store] = {}
             for night, (documents, input_path) in enumerate(zip((night_1, night_2), inputs), start=1):
-                job = await bulk_job(url, upstream, documents, input_path, settings, dim,  # resets the counters
-                                     stream_texts=stream_texts or None)
+                job = await bulk_job(url, upstream, documents, input_path, dim,  # resets the counters
+                                     concurrency=settings.job_concurrency, batch_size=settings.job_batch_size,
+                                     stream_texts=stream_texts or None, stream_rate_per_s=settings.high_rate_per_s)
                 job["tokens_billed"] = (await upstream.stats())["tokens_billed"]
                 nights[store][f"night_{night}"] = job
     return nights
@@ -176,7 +173,7 @@ def summarise(nights: dict[str, dict[str, Any]], settings: Settings, upstream: U
                             "met": tokens is not None and tokens <= TARGET_TOKEN_SHARE},
             "wall_share": {"value": wall, "needed": TARGET_WALL_SHARE, "met": wall <= TARGET_WALL_SHARE},
         }
-    return {"machine": machine_info(), "settings": asdict(settings), "upstream": asdict(upstream),
+    return {"settings": asdict(settings), "upstream": asdict(upstream),
             "nights": nights, "targets": targets}
 
 

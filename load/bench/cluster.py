@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from load.loadgen import check, closed_loop
 from load.multinode import LocalCluster, local_cluster, spread, wait_for_proxies
+from load.stats import median_of
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
-from .e2e import MODEL, model_entry
 from .harness import add_common_arguments, rotated
-from .report import machine_info, markdown_table, write_results
-from .serving import median_of
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .serving import SIM_MODEL, sim_model_entry
 from .upstream_process import upstream_config_from, upstream_process
 
 APP_NAME = "cluster-bench"
@@ -41,6 +42,12 @@ class Settings:
     repeats: int = 2
     mean_chars: int = 120
 
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ValueError("--nodes must be at least 2 (one node is the baseline)")
+        if self.repeats < 1:
+            raise ValueError("cluster: --repeats must be >= 1")
+
 
 QUICK = Settings(levels=((4, 16),), repeats=1)
 
@@ -51,22 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"compare 1..NODES nodes of one CPU each (default {Settings.nodes})")
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if args.quick else Settings()
-    if args.nodes < 2:
-        raise SystemExit("--nodes must be at least 2 (one node is the baseline)")
-    return replace(base, nodes=args.nodes, repeats=args.repeats or base.repeats)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = chosen_settings(args, Settings(), QUICK)
     upstream = upstream_config_from(args)
     with upstream_process(upstream) as root_url:
-        return measure(root_url, upstream, settings_from(args), getattr(args, "results_dir", None))
+        return measure(root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
 def app_args(base_url: str, nodes: int) -> dict[str, Any]:
-    """``e2e``'s adaptive application with one model replica per node and as many ingress replicas as nodes."""
-    model = {**model_entry(base_url), "num_replicas": nodes, "ray_actor_options": {"num_cpus": 1}}
+    """The adaptive application on the simulated upstream with one model replica per node and as many ingress
+    replicas as nodes."""
+    model = {**sim_model_entry(base_url), "num_replicas": nodes, "ray_actor_options": {"num_cpus": 1}}
     return {"models": [model], "ingress": {"num_replicas": nodes}}
 
 
@@ -82,13 +84,8 @@ def measure(root_url: str, upstream: UpstreamConfig, settings: Settings, results
                 for concurrency, results in asyncio.run(drive(cluster, texts, settings.levels, upstream.dim)):
                     runs[nodes][concurrency].append(results)
     rows = summarise(runs)
-    data = {"machine": machine_info(), "settings": asdict(settings), "upstream": asdict(upstream), "rows": rows,
-            "runs": runs}
-    md_path, json_path = write_results("cluster", "One node vs a cluster", render(settings, upstream, rows), data,
-                                       results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    data = {"settings": asdict(settings), "upstream": asdict(upstream), "rows": rows, "runs": runs}
+    return write_report("cluster", "One node vs a cluster", render(settings, upstream, rows), data, results_dir)
 
 
 def deploy(cluster: LocalCluster, base_url: str, nodes: int) -> None:
@@ -103,7 +100,7 @@ def deploy(cluster: LocalCluster, base_url: str, nodes: int) -> None:
 async def drive(cluster: LocalCluster, texts: Sequence[str], levels: Sequence[tuple[int, int]],
                 dim: int) -> list[tuple[int, dict[str, Any]]]:
     """Each level once, requests spread over every node's proxy; one checked summary per level."""
-    clients = [UpstreamClient(node.proxy_url, model=MODEL, connections=1024) for node in cluster.nodes]
+    clients = [UpstreamClient(node.proxy_url, model=SIM_MODEL, connections=1024) for node in cluster.nodes]
     for client in clients:
         await client.__aenter__()
     try:

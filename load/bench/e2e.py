@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
@@ -28,16 +28,18 @@ from ray import serve
 from deployments.backends import make_backend
 from deployments.config import ModelConfig
 from load.loadgen import check, closed_loop
+from load.stats import median_of
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .harness import add_common_arguments
-from .report import machine_info, markdown_table, write_results
-from .serving import UNBATCHED, compare_over_http, deployed, median_of, run_with_upstream_and_service
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .serving import (
+    SIM_BATCHING, SIM_MODEL, UNBATCHED, compare_over_http, deployed, run_with_upstream_and_service, sim_model_entry,
+)
 
-MODEL = "sim-embed"
-MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, CONCURRENT_BATCHES = 200, 25.0, 15.0, 4
 TARGET_ADDED_MS = 2.0
 TARGET_GAIN_OVER_DIRECT = 4.0
 
@@ -49,8 +51,8 @@ class ServeBatchedModel:
     def __init__(self, model: ModelConfig) -> None:
         self._backend = make_backend(model)
 
-    @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=MAX_WAIT_MS / 1000,
-                 max_concurrent_batches=CONCURRENT_BATCHES)
+    @serve.batch(max_batch_size=SIM_BATCHING["max_batch_size"], batch_wait_timeout_s=SIM_BATCHING["max_wait_ms"] / 1000,
+                 max_concurrent_batches=SIM_BATCHING["max_concurrent_batches"])
     async def _embed_batch(self, texts: list[str]) -> Sequence[Any]:
         return await self._backend.embed(texts)
 
@@ -75,6 +77,10 @@ class Settings:
     repeats: int = 2
     mean_chars: int = 120
 
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("e2e: --repeats must be >= 1")
+
 
 QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
 
@@ -83,22 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, repeats=Settings.repeats)
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if args.quick else Settings()
-    return replace(base, repeats=args.repeats or base.repeats)
-
-
-def model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
-    return {
-        "name": MODEL, "backend": "openai", "base_url": base_url, "upstream_model": MODEL, "num_replicas": 1,
-        "ray_actor_options": {"num_cpus": 0},
-        "batching": {"max_batch_size": MAX_BATCH, "max_wait_ms": MAX_WAIT_MS, "scale_factor": SCALE_FACTOR,
-                     "max_concurrent_batches": CONCURRENT_BATCHES, **batching},
-    }
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return run_with_upstream_and_service(args, measure, settings_from(args))
+    return run_with_upstream_and_service(args, measure, chosen_settings(args, Settings(), QUICK))
 
 
 def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
@@ -110,18 +102,19 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
 
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     base_url = f"{root_url}/v1"
-    serve_batch_config = parse_app_config({"models": [model_entry(base_url)]})
+    serve_batch_config = parse_app_config({"models": [sim_model_entry(base_url)]})
     (serve_batch_model,) = serve_batch_config.models
     apps = {
-        "adaptive": build_app({"models": [model_entry(base_url)]}),
-        "serve-batch": bind_ingress(serve_batch_config, {MODEL: ServeBatchedModel.options(
+        "adaptive": build_app({"models": [sim_model_entry(base_url)]}),
+        "serve-batch": bind_ingress(serve_batch_config, {SIM_MODEL: ServeBatchedModel.options(
             **model_deployment_options(serve_batch_model)).bind(serve_batch_model)}),
-        "unbatched": build_app({"models": [model_entry(base_url, **UNBATCHED)]}),
+        "unbatched": build_app({"models": [sim_model_entry(base_url, **UNBATCHED)]}),
     }
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
-    with deployed(proxy, apps, MODEL) as targets:
-        runs = asyncio.run(compare_over_http(targets, MODEL, texts, settings.levels, settings.repeats, upstream.dim))
+    with deployed(proxy, apps, SIM_MODEL) as targets:
+        runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats,
+                                             upstream.dim))
     rows = summarise(runs)
     for concurrency, summary in direct.items():
         rows[str(concurrency)]["direct"] = {"items_per_s": summary["items_per_s"], "p50_ms": summary["p50_ms"],
@@ -132,7 +125,6 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
     top = rows[str(settings.levels[-1][0])]
     gain = top["adaptive"]["items_per_s"] / top["direct"]["items_per_s"]
     data = {
-        "machine": machine_info(),
         "settings": asdict(settings),
         "upstream": asdict(upstream),
         "upstream_alone_p50_ms": direct[settings.levels[0][0]]["p50_ms"],
@@ -144,17 +136,13 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
         "target_gain": {"gain": gain, "needed": TARGET_GAIN_OVER_DIRECT, "met": gain >= TARGET_GAIN_OVER_DIRECT},
         "runs": runs,
     }
-    body = render(settings, upstream, direct, rows, data)
-    md_path, json_path = write_results("e2e", "End to end through Ray Serve: adaptive vs @serve.batch", body, data,
-                                       results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("e2e", "End to end through Ray Serve: adaptive vs @serve.batch",
+                        render(settings, upstream, direct, rows, data), data, results_dir)
 
 
 async def upstream_direct(root_url: str, texts: Sequence[str], concurrency: int, dim: int) -> dict[str, Any]:
     """One text per call straight to the upstream from ``concurrency`` callers: what they get without the service."""
-    async with UpstreamClient(root_url, model=MODEL) as client:
+    async with UpstreamClient(root_url, model=SIM_MODEL) as client:
         return check(await closed_loop(client.embed_one, texts, concurrency), texts, dim).summary()
 
 

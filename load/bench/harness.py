@@ -1,5 +1,5 @@
-"""What the strategy benchmarks share: options and settings, the upstream around a scenario, one run of one strategy
-against it, orderings, and the report.
+"""What the strategy benchmarks share: options, the upstream around a scenario, one run of one strategy against it,
+orderings, and what their reports record.
 
 A run: wait until the upstream is idle and zero its counters, build the strategy afresh over one shared
 ``UpstreamClient.embed``, drive it, close it, read the upstream's counters, and check every vector it returned.
@@ -13,20 +13,20 @@ import contextlib
 import gc
 import subprocess
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from load.loadgen import RunResult, check
+from load.stats import percentile
 from load.strategies import RunningStrategy, Strategy, select, standard_strategies
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 
-from .report import RESULTS_DIR, machine_info, write_results
+from .report import RESULTS_DIR, machine_info
 from .upstream_process import add_upstream_arguments, upstream_config_from, upstream_process
 
 T = TypeVar("T")
-S = TypeVar("S")  # a scenario's settings dataclass
 M = TypeVar("M")  # what a scenario's measurement returns
 Drive = Callable[[RunningStrategy], Awaitable[RunResult]]
 
@@ -34,7 +34,6 @@ REPEATS = 3  # the reported median of three interleaved repeats is not set by on
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strategies: bool = True) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     parser.add_argument("--repeats", type=int, help=f"interleaved repeats of every strategy (default {repeats})")
     if strategies:
         parser.add_argument("--strategies", help="comma-separated strategy names to run (default: all)")
@@ -50,19 +49,6 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strat
 
 def add_seed_argument(parser: argparse.ArgumentParser, default: int, seeded: str = "workload") -> None:
     parser.add_argument("--seed", type=int, help=f"{seeded} seed (default {default})")
-
-
-def chosen_settings(args: argparse.Namespace, defaults: S, quick: S) -> S:
-    """``quick`` with ``--quick``, else ``defaults``; every field given as an option replaced by the given value.
-
-    A scenario's settings dataclass checks itself (``ValueError``); here that is the command line's error.
-    """
-    base = quick if getattr(args, "quick", False) else defaults
-    given = {f.name: getattr(args, f.name) for f in fields(base) if getattr(args, f.name, None) is not None}
-    try:
-        return replace(base, **given)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
 
 
 def chosen_strategies(args: argparse.Namespace) -> list[Strategy]:
@@ -125,6 +111,11 @@ class Measured(Generic[M]):
     disturbance: Disturbance
     results_dir: Path
 
+    def record(self, settings: Any) -> dict[str, Any]:
+        """What every strategy scenario's JSON starts with: machine, code, settings, disturbance, upstream."""
+        return {"machine": machine_info(), "code": self.code, "settings": asdict(settings),
+                "disturbance": asdict(self.disturbance), "upstream": asdict(self.upstream)}
+
 
 def measure_scenario(
     args: argparse.Namespace, measure: Callable[[str, int, Disturbance], Awaitable[M]]
@@ -136,32 +127,6 @@ def measure_scenario(
     with upstream_process(upstream) as root_url:
         runs = asyncio.run(measure(root_url, upstream.dim, disturbance))
     return Measured(runs, code, upstream, disturbance, Path(getattr(args, "results_dir", None) or RESULTS_DIR))
-
-
-def write_report(
-    name: str, title: str, settings: Any, measured: Measured[Any], body: str, data: dict[str, Any],
-    also_written: Sequence[Path] = (),
-) -> dict[str, Any]:
-    """Write and print ``<name>.md`` (the code version, then ``body``) and ``<name>.json``; returns the JSON's data.
-
-    The data starts with what every scenario records (machine, code, settings, disturbance, upstream), then ``data``.
-    """
-    data = {
-        "machine": machine_info(),
-        "code": measured.code,
-        "settings": asdict(settings),
-        "disturbance": asdict(measured.disturbance),
-        "upstream": asdict(measured.upstream),
-        **data,
-    }
-    body = version_line(measured.code) + "\n\n" + body
-    md_path, json_path = write_results(name, title, body, data, measured.results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    if also_written:
-        print(f"wrote {md_path}, {json_path} and {', '.join(str(path) for path in also_written)}")
-    else:
-        print(f"wrote {md_path} and {json_path}")
-    return data
 
 
 async def run_strategy(
@@ -273,8 +238,8 @@ class LoopLag:
         lags = sorted(self._lags_ms)
         if not lags:
             return {"samples": 0}
-        return {"samples": len(lags), "p99_ms": lags[min(len(lags) - 1, int(0.99 * len(lags)))],
-                "max_ms": lags[-1], "over_20ms": sum(lag > 20 for lag in lags)}
+        return {"samples": len(lags), "p99_ms": percentile(lags, 99), "max_ms": lags[-1],
+                "over_20ms": sum(lag > 20 for lag in lags)}
 
 
 def _size_summary(sizes: list[int]) -> dict[str, Any]:

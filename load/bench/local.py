@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from load.stats import median_of
 from load.workload import pseudo_sentences
 
-from .report import machine_info, markdown_table, write_results
-from .serving import UNBATCHED, compare_over_http, default_models, deployed, median_of, one_replica, serve_cluster
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .serving import UNBATCHED, compare_over_http, default_models, deployed, one_replica, serve_cluster
 
 TARGET_SPEEDUP_AT_64 = 3.0
 
@@ -27,23 +29,22 @@ class Settings:
     repeats: int = 2
     mean_chars: int = 120
 
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("local: --repeats must be >= 1")
+
 
 QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     parser.add_argument("--repeats", type=int, help=f"interleaved repeats (default {Settings.repeats})")
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    base = QUICK if args.quick else Settings()
-    return replace(base, repeats=args.repeats or base.repeats)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = chosen_settings(args, Settings(), QUICK)
     with serve_cluster() as proxy:
-        return measure(proxy, settings_from(args), getattr(args, "results_dir", None))
+        return measure(proxy, settings, getattr(args, "results_dir", None))
 
 
 def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str, Any]:
@@ -60,7 +61,6 @@ def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str
     rows = summarise(runs)
     speedup = rows["64"]["speedup"] if "64" in rows else None
     data = {
-        "machine": machine_info(),
         "settings": asdict(settings),
         "model": model,
         "rows": rows,
@@ -68,11 +68,8 @@ def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str
                    "met": speedup is not None and speedup >= TARGET_SPEEDUP_AT_64},
         "runs": runs,
     }
-    body = render(settings, model, rows, data["target"])
-    md_path, json_path = write_results("local", "Local MiniLM through the full service", body, data, results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    return write_report("local", "Local MiniLM through the full service", render(settings, model, rows, data["target"]),
+                        data, results_dir)
 
 
 def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:

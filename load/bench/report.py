@@ -41,19 +41,23 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
-def write_results(
-    name: str, title: str, body: str, data: Mapping[str, Any], results_dir: Path | None = None
-) -> tuple[Path, Path]:
-    """Write ``<name>.md`` (title, machine line, body) and ``<name>.json`` (scenario, machine, data).
+def write_report(
+    name: str, title: str, body: str, data: Mapping[str, Any], results_dir: Path | None = None,
+    also_written: Sequence[Path] = (),
+) -> dict[str, Any]:
+    """Write ``<name>.md`` (title, machine line, body) and ``<name>.json`` (scenario, machine, data), and print the
+    Markdown and where it went (with ``also_written``, the files the scenario wrote beside them).
 
-    Returns both paths. ``data["machine"]`` is used when present, else the machine is described now.
+    Returns ``data`` with the machine first: ``data["machine"]`` when present, else the machine described now.
     """
     directory = Path(results_dir) if results_dir is not None else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    machine = data.get("machine") or machine_info()
-    markdown = f"# {title}\n\nMachine: {machine_line(machine)}\n\n{body.rstrip()}\n"
+    data = {"machine": data.get("machine") or machine_info(), **data}
+    markdown = f"# {title}\n\nMachine: {machine_line(data['machine'])}\n\n{body.rstrip()}\n"
     md_path, json_path = directory / f"{name}.md", directory / f"{name}.json"
     md_path.write_text(markdown, encoding="utf-8")
-    payload = {"scenario": name, "machine": machine, **{k: v for k, v in data.items() if k != "machine"}}
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
-    return md_path, json_path
+    json_path.write_text(json.dumps({"scenario": name, **data}, indent=2, default=str) + "\n", encoding="utf-8")
+    print(markdown)
+    written = [md_path, json_path, *also_written]
+    print(f"wrote {', '.join(str(path) for path in written[:-1])} and {written[-1]}")
+    return data

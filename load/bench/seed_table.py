@@ -16,16 +16,18 @@ from functools import partial
 from typing import Any
 
 from load.loadgen import closed_loop
+from load.stats import median, median_of
 from load.strategies import MAX_BATCH, MAX_WAIT_MS, SCALE_FACTOR, Strategy
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .harness import (
-    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, chosen_strategies,
-    measure_scenario, rotated, run_strategy, write_report,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_strategies, measure_scenario, rotated,
+    run_strategy, version_line,
 )
-from .report import markdown_table
+from .options import chosen_settings
+from .report import markdown_table, write_report
 
 # The article's §6 table: strategy -> (items/s, P50 ms, P99 ms, upstream calls).
 ARTICLE_ROWS = {
@@ -74,12 +76,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verdicts = judge(rows, settings, measured.upstream)
     body = render(settings, measured.upstream, strategies, rows, verdicts, measured.disturbance)
     data = {
+        **measured.record(settings),
         "strategies": {s.name: s.description for s in strategies},
         "rows": rows,
         "targets": verdicts,
         "runs": measured.runs,
     }
-    return write_report("seed_table", "Seed table: the article's §6 experiment", settings, measured, body, data)
+    return write_report("seed_table", "Seed table: the article's §6 experiment",
+                        f"{version_line(measured.code)}\n\n{body}", data, measured.results_dir)
 
 
 async def measure(
@@ -108,18 +112,14 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     """Per strategy: the median of the repeats, and totals of what must be zero."""
     rows = {}
     for name, records in runs.items():
-        def median(key: str) -> float | None:
-            values = [r[key] for r in records if r[key] is not None]
-            return statistics.median(values) if values else None
-
         rows[name] = {
-            "items_per_s": median("items_per_s"),
-            "p50_ms": median("p50_ms"),
-            "p99_ms": median("p99_ms"),
-            "upstream_calls": median("upstream_calls"),
-            "items_billed": median("items_billed"),
-            "mean_batch": median("upstream_mean_batch"),
-            "loadgen_cpu_share": statistics.median(r["cpu_s"] / r["elapsed_s"] for r in records if r["elapsed_s"]),
+            "items_per_s": median_of(records, "items_per_s"),
+            "p50_ms": median_of(records, "p50_ms"),
+            "p99_ms": median_of(records, "p99_ms"),
+            "upstream_calls": median_of(records, "upstream_calls"),
+            "items_billed": median_of(records, "items_billed"),
+            "mean_batch": median_of(records, "upstream_mean_batch"),
+            "loadgen_cpu_share": median(r["cpu_s"] / r["elapsed_s"] for r in records if r["elapsed_s"]),
             "submitted": sum(r["submitted"] for r in records),
             "completed": sum(r["completed"] for r in records),
             "errors": sum(r["errors_all_attempts"] for r in records),

@@ -1,13 +1,12 @@
-"""What the full-service benchmarks share: a Ray cluster with Serve on a free loopback port, variants of the
-application from ``serve_config.yaml`` deployed side by side under route prefixes, and closed-loop runs of
-single-text HTTP requests against each, interleaved."""
+"""What the full-service benchmarks share: a Ray cluster with Serve on a free loopback port, the model entries they
+deploy (``serve_config.yaml``'s, or one on the simulated upstream), variants of the application deployed side by
+side under route prefixes, and closed-loop runs of single-text HTTP requests against each, interleaved."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import os
-import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,18 @@ def one_replica(model: Mapping[str, Any], **batching: Any) -> dict[str, Any]:
 
 
 UNBATCHED = {"max_batch_size": 1, "max_wait_ms": 0.0, "max_batch_tokens": None}
+
+SIM_MODEL = "sim-embed"  # the model the benchmarks on the simulated upstream serve
+SIM_BATCHING = {"max_batch_size": 200, "max_wait_ms": 25.0, "scale_factor": 15.0, "max_concurrent_batches": 4}
+
+
+def sim_model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
+    """One replica of the ``openai`` backend pointed at the simulated upstream at ``base_url``, reserving no CPU,
+    batched as ``SIM_BATCHING`` with ``batching`` changed."""
+    return {
+        "name": SIM_MODEL, "backend": "openai", "base_url": base_url, "upstream_model": SIM_MODEL, "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0}, "batching": {**SIM_BATCHING, **batching},
+    }
 
 
 @contextmanager
@@ -137,8 +148,3 @@ async def compare_over_http(
 async def _batch_totals(handle: Any) -> tuple[int, int]:
     stats = await handle.stats.remote()
     return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
-
-
-def median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
-    values = [record[key] for record in records if record.get(key) is not None]
-    return statistics.median(values) if values else None

@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from load.loadgen import RunResult, censored_percentile, open_loop
+from load.loadgen import RunResult, open_loop
+from load.stats import censored_median, finite_or_none, median, percentile
 from load.strategies import Strategy
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import poisson_arrivals, pseudo_sentences
 
 from .harness import (
-    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_settings, chosen_strategies,
-    measure_scenario, rotated, run_strategy, write_report,
+    REPEATS, Disturbance, add_common_arguments, add_seed_argument, chosen_strategies, measure_scenario, rotated,
+    run_strategy, version_line,
 )
-from .report import markdown_table
+from .options import chosen_settings
+from .report import markdown_table, write_report
 
 FIXED = ("fixed-50/50ms", "fixed-100/100ms", "serve.batch-200/25ms")
 TARGET_NEAR_BEST_FIXED = 1.10  # adaptive P99 at most 10% above the best fixed strategy's, at every rate
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plots = plot(settings, strategies, table, measured.results_dir)
     body = render(settings, measured.upstream, strategies, table, verdicts, plots, measured.disturbance)
     data = {
+        **measured.record(settings),
         "strategies": {s.name: s.description for s in strategies},
         "table": table,
         "targets": verdicts,
@@ -84,8 +86,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": {f"{rate:g}": {name: [r for _, r in runs] for name, runs in per.items()}
                  for rate, per in measured.runs.items()},
     }
-    return write_report("sweep", "Load sweep: open-loop Poisson arrivals", settings, measured, body, data,
-                        also_written=plots)
+    return write_report("sweep", "Load sweep: open-loop Poisson arrivals", f"{version_line(measured.code)}\n\n{body}",
+                        data, measured.results_dir, also_written=plots)
 
 
 Runs = dict[float, dict[str, list[tuple[RunResult, dict[str, Any]]]]]
@@ -150,11 +152,11 @@ def summarise(settings: Settings, strategies: list[Strategy], results: Runs) -> 
                 "errors": sum(record["errors_all_attempts"] for _, record in runs),
                 "mismatches": sum(record["mismatches_all_attempts"] for _, record in runs),
                 "attempts": sum(1 + len(record["discarded_attempts"]) for _, record in runs),
-                "items_per_s": statistics.median(result.throughput for result, _ in runs),
-                "p50_ms": _finite(_median_of(result.percentile_ms(50) for result, _ in runs)),
-                "p99_ms": _finite(_median_of(result.percentile_ms(99) for result, _ in runs)),
-                "p99_runs_ms": [_finite(result.percentile_ms(99)) for result, _ in runs],
-                "p99_pooled_ms": _finite(censored_percentile(latencies, submitted - completed, 99)),
+                "items_per_s": median(result.throughput for result, _ in runs),
+                "p50_ms": censored_median(result.percentile_ms(50) for result, _ in runs),
+                "p99_ms": censored_median(result.percentile_ms(99) for result, _ in runs),
+                "p99_runs_ms": [finite_or_none(result.percentile_ms(99)) for result, _ in runs],
+                "p99_pooled_ms": finite_or_none(percentile(latencies, 99, submitted - completed)),
                 "upstream_calls": calls,
                 "items_billed": sum(record["items_billed"] for _, record in runs),
                 "calls_per_item": calls / completed if completed else None,
@@ -164,19 +166,6 @@ def summarise(settings: Settings, strategies: list[Strategy], results: Runs) -> 
             }
         table[f"{rate:g}"] = row
     return table
-
-
-def _median_of(values: Iterable[float]) -> float:
-    """Median that keeps infinities (a capped run) in order."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[middle]
-    return (ordered[middle - 1] + ordered[middle]) / 2 if not math.isinf(ordered[middle]) else ordered[middle]
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def _p99(cell: dict[str, Any]) -> float:

