@@ -53,7 +53,7 @@ QUICK = Settings(levels=((4, 16),), repeats=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, repeats=Settings.repeats, strategies=False)
+    add_common_arguments(parser, repeats=Settings.repeats, strategies=False, disturbance=False)
     parser.add_argument("--nodes", type=int, default=Settings.nodes,
                         help=f"compare 1..NODES nodes of one CPU each (default {Settings.nodes})")
 

@@ -86,7 +86,7 @@ QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, repeats=Settings.repeats)
+    add_common_arguments(parser, repeats=Settings.repeats, strategies=False, disturbance=False)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

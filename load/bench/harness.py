@@ -33,17 +33,21 @@ Drive = Callable[[RunningStrategy], Awaitable[RunResult]]
 REPEATS = 3  # the reported median of three interleaved repeats is not set by one run the shared machine disturbed
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strategies: bool = True) -> None:
+def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, strategies: bool = True,
+                         disturbance: bool = True) -> None:
+    """``--repeats``, the simulated upstream's flags, and for the in-process scenarios ``--strategies`` and the
+    disturbed-run retries (``--max-loop-lag-ms``, ``--attempts``)."""
     parser.add_argument("--repeats", type=int, help=f"interleaved repeats of every strategy (default {repeats})")
     if strategies:
         parser.add_argument("--strategies", help="comma-separated strategy names to run (default: all)")
-    defaults = Disturbance()
-    parser.add_argument("--max-loop-lag-ms", type=float,
-                        help="a run whose event loop stalled longer than this is disturbed "
-                             f"(default {defaults.max_loop_lag_ms:g})")
-    parser.add_argument("--attempts", type=int,
-                        help=f"tries of a disturbed run; the calmest is kept (default {defaults.attempts}, "
-                             "1 with --quick)")
+    if disturbance:
+        defaults = Disturbance()
+        parser.add_argument("--max-loop-lag-ms", type=float,
+                            help="a run whose event loop stalled longer than this is disturbed "
+                                 f"(default {defaults.max_loop_lag_ms:g})")
+        parser.add_argument("--attempts", type=int,
+                            help=f"tries of a disturbed run; the calmest is kept (default {defaults.attempts}, "
+                                 "1 with --quick)")
     add_upstream_arguments(parser)
 
 
