@@ -12,10 +12,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections import Counter
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from .config import BatcherConfig, Priority
+from .counting import CountingMetrics
 from .errors import BatcherClosed, BatchResultMismatch, DeadlineExceeded, Overloaded, is_retryable, retry_after_s
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, WaitPolicy
@@ -56,10 +56,10 @@ class AdaptiveBatcher(Generic[P, R]):
         self._custom_policy = wait_policy
         self._policy = DispatchPolicy(config, wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor))
         self._cost_fn = cost_fn
-        self._metrics = metrics if metrics is not None else _NO_METRICS
+        self._metrics = CountingMetrics(metrics if metrics is not None else _NO_METRICS)
         self._lanes = Lanes()
         self._delayed: set[Item] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, list[Item]] = {}  # each batch in flight, and its items
         self._in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -69,9 +69,6 @@ class AdaptiveBatcher(Generic[P, R]):
         self._settled: asyncio.Event | None = None
         self._mean_latency = 0.0
         self._mean_batch = 0.0
-        self._items = self._dispatched = self._batches = 0
-        self._rejected = self._expired = self._cancelled = self._retried = self._splits = 0
-        self._flushes: Counter[str] = Counter()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -116,39 +113,41 @@ class AdaptiveBatcher(Generic[P, R]):
         return outcomes
 
     def stats(self) -> BatcherStats:
+        counts = self._metrics
         return BatcherStats(
             queued_high=self._lanes[Priority.HIGH].depth,
             queued_low=self._lanes[Priority.LOW].depth,
             delayed=len(self._delayed),
             in_flight_batches=self._in_flight,
-            items=self._items,
-            dispatched_items=self._dispatched,
-            batches=self._batches,
-            flushes=dict(self._flushes),
-            rejected=self._rejected,
-            expired=self._expired,
-            cancelled=self._cancelled,
-            retried=self._retried,
-            splits=self._splits,
+            items=counts.items,
+            dispatched_items=counts.dispatched_items,
+            batches=counts.batches,
+            flushes=dict(counts.flushes),
+            rejected=counts.rejections["overload"],
+            expired=counts.rejections["deadline"],
+            cancelled=counts.rejections["cancelled"],
+            retried=counts.retried,
+            splits=counts.splits,
         )
 
-    async def aclose(self, drain: bool = True) -> None:
+    async def aclose(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking items. ``drain`` sends what is queued and waits for it; otherwise queued items fail with
-        ``BatcherClosed``. Either way, batches already in flight are awaited."""
-        if self._settled is not None:
+        ``BatcherClosed``. Either way, batches already in flight are awaited. After ``timeout`` seconds, whatever is
+        still queued or in flight fails with ``BatcherClosed``, and the batches' tasks are cancelled and awaited."""
+        if self._settled is None:
+            self._closing, self._drain = True, drain
+            self._settled = asyncio.Event()
+            if not drain:
+                self._fail_waiting()
+            if self._loop is not None:
+                self._pump()
+            self._check_settled()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._settled.wait()
+        except TimeoutError:
+            self._give_up()
             await self._settled.wait()
-            return
-        self._closing, self._drain = True, drain
-        self._settled = asyncio.Event()
-        if not drain:
-            for item in [*self._lanes.drain(), *self._delayed]:
-                item.settle(error=BatcherClosed("batcher closed before the item was sent"))
-            self._delayed.clear()
-            self._report_depths()
-        if self._loop is not None:
-            self._pump()
-        self._check_settled()
-        await self._settled.wait()
         if self._timer is not None:
             self._timer.cancel()
 
@@ -185,7 +184,7 @@ class AdaptiveBatcher(Generic[P, R]):
         waiting = len(self._lanes) + len(self._delayed)  # items waiting out a Retry-After will queue again
         if waiting + count > self._policy.admission_limit(priority):
             self._refuse(count, f"batcher {self.name!r} queue is full ({waiting} waiting)")
-        if timeout_s is not None and self._batches >= _HISTORY_BATCHES:
+        if timeout_s is not None and self._metrics.batches >= _HISTORY_BATCHES:
             lanes = self._lanes
             ahead = lanes[Priority.HIGH].depth + (lanes[Priority.LOW].depth if priority is Priority.LOW else 0)
             expected_s = (ahead + count) / self._items_per_s() + self._mean_latency
@@ -194,7 +193,6 @@ class AdaptiveBatcher(Generic[P, R]):
                                     f"queued ahead, past the {timeout_s:.3f}s allowed")
 
     def _refuse(self, count: int, reason: str) -> None:
-        self._rejected += count
         self._metrics.item_rejected(self.name, "overload", count)
         retry_after_s = min(60.0, max(0.05, len(self._lanes) / self._items_per_s()))  # until the queue ahead drained
         raise Overloaded(retry_after_s, reason)
@@ -216,13 +214,14 @@ class AdaptiveBatcher(Generic[P, R]):
         lane = self._lanes[priority]
         max_gap_s = self._config.max_wait_ms / 1000.0
         items = []
-        for seq, payload in enumerate(payloads, self._items):
+        metrics = self._metrics
+        for seq, payload in enumerate(payloads, metrics.items):  # arrival order: the items admitted before it
             item = Item(seq, payload, loop.create_future(), priority, now, cost_fn(payload) if cost_fn else 1.0,
                         deadline)
             lane.push(item, max_gap_s)
             items.append(item)
-        self._items += len(items)
-        self._metrics.queue_depth(self.name, priority, lane.depth)
+        metrics.items_admitted(self.name, len(items))
+        metrics.queue_depth(self.name, priority, lane.depth)
         timer = None if deadline is None else loop.call_at(deadline, self._on_deadline, items)
         return items, timer
 
@@ -263,18 +262,15 @@ class AdaptiveBatcher(Generic[P, R]):
         if not live:
             return
         self._in_flight += 1
-        self._batches += 1
-        self._dispatched += len(live)
         self._mean_batch += (len(live) - self._mean_batch) * _LATENCY_EWMA
-        self._flushes[reason] += 1
         self._metrics.batch_flushed(self.name, reason, len(live), [now - item.enqueued_at for item in live])
         self._metrics.queue_depth(self.name, live[0].priority, self._lanes[live[0].priority].depth)
         task = self._loop.create_task(self._run_batch(live))
-        self._tasks.add(task)
+        self._tasks[task] = live
         task.add_done_callback(self._batch_done)
 
     def _batch_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        del self._tasks[task]
         self._in_flight -= 1
         if not task.cancelled() and task.exception() is not None:
             logger.error("batcher %r: a batch failed unexpectedly", self.name, exc_info=task.exception())
@@ -311,7 +307,6 @@ class AdaptiveBatcher(Generic[P, R]):
         except Exception as exc:
             self._record_latency(started)
             if len(payloads) > 1 and (isinstance(exc, _BatchTimedOut) or not is_retryable(exc)):
-                self._splits += 1
                 self._metrics.batch_split(self.name)
                 half = len(payloads) // 2
                 first = await self._attempt([item for item, slot in zip(live, slots) if slot < half])
@@ -382,7 +377,6 @@ class AdaptiveBatcher(Generic[P, R]):
         """Queue failed items again, together, after the delay their errors ask for (the longest of them)."""
         for item, _ in retries:
             item.attempts += 1
-        self._retried += len(retries)
         self._metrics.item_retried(self.name, len(retries))
         items = [item for item, _ in retries]
         delay = max(retry_after_s(exc) for _, exc in retries)
@@ -420,7 +414,6 @@ class AdaptiveBatcher(Generic[P, R]):
         self._leave_queue(item)
         waited = self._loop.time() - item.enqueued_at
         if item.settle(error=DeadlineExceeded(f"no result within the deadline (waited {waited:.3f}s)")):
-            self._expired += 1
             self._metrics.item_rejected(self.name, "deadline", 1)
 
     def _on_deadline(self, items: list[Item]) -> None:
@@ -442,12 +435,30 @@ class AdaptiveBatcher(Generic[P, R]):
             item.future.cancel()
             item.state = ItemState.DONE
         if pending:
-            self._cancelled += len(pending)
             self._metrics.item_rejected(self.name, "cancelled", len(pending))
         if was_waiting:
             self._report_depths()
             self._pump()
             self._check_settled()
+
+    def _fail_waiting(self) -> None:
+        """Closing without draining: the queued items, and those waiting out a Retry-After, are never sent."""
+        for item in [*self._lanes.drain(), *self._delayed]:
+            item.settle(error=BatcherClosed("batcher closed before the item was sent"))
+        self._delayed.clear()
+        self._report_depths()
+
+    def _give_up(self) -> None:
+        """The close timed out: nothing more is sent or retried, and the batches in flight are cancelled. Their items
+        fail here rather than in ``_run_batch``, which a task cancelled before it started never runs."""
+        self._drain = False
+        self._fail_waiting()
+        closed = BatcherClosed("batcher closed while the item's batch was in flight")
+        for task, items in self._tasks.items():
+            for item in items:
+                if item.state is ItemState.IN_FLIGHT:
+                    item.settle(error=closed)
+            task.cancel()
 
     def _report_depths(self) -> None:
         for lane in self._lanes:

@@ -29,6 +29,9 @@ class BatcherMetrics:
     ``batcher`` is the batcher's name, the tag that tells batchers apart in one process.
     """
 
+    def items_admitted(self, batcher: str, count: int) -> None:
+        """One call queued ``count`` items."""
+
     def queue_depth(self, batcher: str, priority: Priority, depth: int) -> None:
         """Queued (not yet dispatched) items of one priority, after it changed."""
 

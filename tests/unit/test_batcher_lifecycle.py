@@ -292,6 +292,101 @@ async def test_close_without_drain_fails_queued_items_and_waits_for_batches_in_f
     assert process.sent == ["flying"]
 
 
+class Stubborn:
+    """A process function that runs ``delay_s`` and, with ``swallow``, finishes its batch even when cancelled."""
+
+    def __init__(self, delay_s: float, swallow: bool = False) -> None:
+        self.delay_s, self.swallow = delay_s, swallow
+        self.started = asyncio.Event()
+        self.cancelled_at: list[float] = []
+
+    async def __call__(self, payloads):
+        self.started.set()
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled_at.append(now())
+            if not self.swallow:
+                raise
+            await asyncio.sleep(self.delay_s)
+        return payloads
+
+
+async def one_in_flight_one_queued(process: Stubborn) -> tuple[AdaptiveBatcher, asyncio.Future, asyncio.Future]:
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=1, max_concurrent_batches=1, max_wait_ms=0))
+    flying = asyncio.ensure_future(batcher.submit("flying"))
+    await process.started.wait()
+    queued = asyncio.ensure_future(batcher.submit("queued"))
+    await asyncio.sleep(0)
+    return batcher, flying, queued
+
+
+async def test_close_timeout_fails_what_is_queued_or_in_flight_and_cancels_the_batches():
+    process = Stubborn(delay_s=10.0)
+    batcher, flying, queued = await one_in_flight_one_queued(process)
+    start = now()
+    await batcher.aclose(drain=True, timeout=1.0)
+    assert now() - start == pytest.approx(1.0, abs=2e-6)
+    assert process.cancelled_at == [pytest.approx(start + 1.0, abs=2e-6)]
+    for caller in (flying, queued):
+        with pytest.raises(BatcherClosed):
+            caller.result()
+    assert batcher.stats().in_flight_batches == 0 and batcher.stats().queue_depth == 0
+    assert asyncio.all_tasks() == {asyncio.current_task()}  # no batch task outlives aclose
+
+
+async def test_close_timeout_fails_the_items_of_a_batch_cancelled_before_it_started():
+    process = Stubborn(delay_s=10.0)
+    batcher, flying, queued = await one_in_flight_one_queued(process)
+    closing = asyncio.ensure_future(batcher.aclose(drain=True, timeout=1.0))
+    await asyncio.sleep(0)
+    # A slot frees at the moment the timeout passes, just after it: the batch sent then is cancelled unstarted.
+    asyncio.get_running_loop().call_later(1.0, lambda: batcher.reconfigure(max_concurrent_batches=2))
+    await closing
+    for caller in (flying, queued):
+        with pytest.raises(BatcherClosed):
+            caller.result()
+    assert len(process.cancelled_at) == 1  # "queued" was dispatched but never reached the process function
+
+
+async def test_close_timeout_fails_items_waiting_out_a_retry_after():
+    process = FakeProcess(answer=lambda p: RateLimited(retry_after_s=60.0))
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=0, max_retries=3))
+    waiting = asyncio.ensure_future(batcher.submit("x"))
+    await asyncio.sleep(0.1)
+    assert batcher.stats().delayed == 1
+    await batcher.aclose(drain=True, timeout=1.0)
+    with pytest.raises(BatcherClosed):
+        waiting.result()
+    assert process.calls == [["x"]] and batcher.stats().delayed == 0
+
+
+async def test_a_close_that_ends_before_its_timeout_drains_as_without_one():
+    process = FakeProcess(delay_s=0.5)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=1000, scale_factor=0.001))
+    pending = [asyncio.ensure_future(batcher.submit(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    start = now()
+    await batcher.aclose(drain=True, timeout=5.0)
+    assert now() - start == pytest.approx(0.5, abs=2e-6)
+    assert [p.result() for p in pending] == [("ok", i) for i in range(3)]
+
+
+async def test_a_batch_that_ignores_cancellation_is_awaited_but_its_callers_fail_at_the_timeout():
+    process = Stubborn(delay_s=10.0, swallow=True)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=0))
+    caller = asyncio.ensure_future(batcher.submit("x"))
+    await process.started.wait()
+    start = now()
+    closing = asyncio.ensure_future(batcher.aclose(drain=False, timeout=1.0))
+    with pytest.raises(BatcherClosed):
+        await caller  # one outcome: the result the batch returns later is dropped
+    assert now() - start == pytest.approx(1.0, abs=2e-6)
+    await closing
+    assert now() - start == pytest.approx(11.0, abs=2e-6)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
 async def test_context_manager_drains_on_exit():
     process = FakeProcess()
     async with AdaptiveBatcher(process, BatcherConfig(max_wait_ms=1000, scale_factor=0.001)) as batcher:

@@ -84,7 +84,8 @@ def scenarios(draw):
         ))
     close = draw(st.sampled_from([None, True, False]))
     close_after_op = draw(st.integers(0, len(ops)))
-    return config, ops, close, close_after_op
+    close_timeout_s = draw(st.sampled_from([None, None, 0.0, 0.02, 0.3]))
+    return config, ops, close, close_after_op, close_timeout_s
 
 
 class RecordingProcess:
@@ -124,7 +125,9 @@ class RecordingProcess:
 ALLOWED_ERRORS = (ItemFailed, ConnectionError, Poisoned, TimeoutError, DeadlineExceeded, BatcherClosed, Overloaded)
 
 
-async def run_scenario(config: BatcherConfig, ops: list[Op], close: bool | None, close_after_op: int) -> None:
+async def run_scenario(
+    config: BatcherConfig, ops: list[Op], close: bool | None, close_after_op: int, close_timeout_s: float | None
+) -> None:
     loop = asyncio.get_running_loop()
     process = RecordingProcess(config)
     batcher = AdaptiveBatcher(process, config, cost_fn=lambda p: p.cost)
@@ -135,7 +138,7 @@ async def run_scenario(config: BatcherConfig, ops: list[Op], close: bool | None,
 
     for index, op in enumerate(ops):
         if index == close_after_op and close is not None:
-            closing = asyncio.ensure_future(batcher.aclose(drain=close))
+            closing = asyncio.ensure_future(batcher.aclose(drain=close, timeout=close_timeout_s))
         if op.gap_s:
             await asyncio.sleep(op.gap_s)
         if op.many:
@@ -201,6 +204,7 @@ async def run_scenario(config: BatcherConfig, ops: list[Op], close: bool | None,
 
     stats = batcher.stats()
     assert stats.queue_depth == 0 and stats.in_flight_batches == 0 and stats.delayed == 0
+    assert asyncio.all_tasks() == {asyncio.current_task()}  # no batch task outlives aclose
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,10 +1,12 @@
-"""@adaptive_batch: one item in, one result out; one batcher per instance."""
+"""@adaptive_batch: one item in, one result out; one batcher per instance, closed through the decorated callable."""
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
-from batching import Priority, adaptive_batch
+from batching import BatcherClosed, Priority, adaptive_batch
 
 pytestmark = pytest.mark.looptime
 
@@ -51,6 +53,58 @@ async def test_plain_function_gets_one_batcher_per_loop():
 
     assert await asyncio.gather(double(1), double(2)) == [2, 4]
     assert calls == [[1, 2]]
+
+
+async def test_aclose_closes_the_batcher_of_every_instance_after_draining_it():
+    first, second = Model(scale=1), Model(scale=2)
+    pending = [asyncio.ensure_future(model.embed(5)) for model in (first, second)]
+    await asyncio.sleep(0)
+    await Model.embed.aclose()
+    assert [p.result() for p in pending] == [5, 10]
+    for model in (first, second):
+        with pytest.raises(BatcherClosed):
+            await model.embed(1)
+
+
+async def test_aclose_passes_drain_and_timeout_to_each_batcher():
+    class Slow:
+        @adaptive_batch(max_wait_ms=0)
+        async def embed(self, items):
+            await asyncio.sleep(10)
+            return items
+
+    model = Slow()
+    flying = asyncio.ensure_future(model.embed(1))
+    await asyncio.sleep(0.1)
+    await Slow.embed.aclose(drain=False, timeout=1.0)
+    with pytest.raises(BatcherClosed):
+        flying.result()
+    assert asyncio.get_running_loop().time() == pytest.approx(1.1, abs=2e-6)
+
+
+async def test_an_instance_is_freed_with_its_batcher_and_aclose_skips_it():
+    model = Model(scale=1)
+    assert await model.embed(1) == 1
+    await asyncio.sleep(0)  # the finished batch's task lets go of the batcher a turn later
+    model_ref, batcher_ref = weakref.ref(model), weakref.ref(Model.embed.batcher(model))
+    gc.disable()  # freed by reference counting alone: no cycle through the batcher
+    try:
+        del model
+        assert model_ref() is None and batcher_ref() is None
+    finally:
+        gc.enable()
+    await Model.embed.aclose()
+
+
+async def test_aclose_closes_a_plain_functions_batcher():
+    @adaptive_batch(max_batch_size=4, max_wait_ms=5)
+    async def double(items):
+        return [item * 2 for item in items]
+
+    assert await double(1) == 2
+    await double.aclose()
+    with pytest.raises(BatcherClosed):
+        await double(2)
 
 
 def test_unknown_settings_are_refused_at_decoration():
