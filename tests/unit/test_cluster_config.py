@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where the cluster config's application args may differ from the shipped ones (paths into the args).
 INTENDED_ARG_DIFFERENCES = {
     "models[0].ray_actor_options",
-    "models[0].autoscaling.min_replicas",
     "models[0].autoscaling.max_replicas",
     "ingress",
 }

@@ -167,11 +167,19 @@ async def test_embed_refuses_other_dimensions_and_fails_foreign_contents_in_plac
     assert vector.shape == (384,) and isinstance(foreign, TypeError)
 
 
-def test_threads_default_to_the_cores_whatever_omp_num_threads_says(monkeypatch, onnx_backend, torch_backend) -> None:
+@pytest.mark.parametrize("omp, expected", [("1", 1), (None, "cores"), ("999", "cores"), ("", "cores"), ("two", "cores")])
+def test_threads_default_to_the_cpus_ray_reserved_within_the_cores(monkeypatch, omp, expected) -> None:
+    cores = len(os.sched_getaffinity(0))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)  # Ray sets it to a replica's num_cpus
+    assert default_threads() == (cores if expected == "cores" else expected)
+
+
+def test_the_engines_compute_on_the_backends_threads(onnx_backend, torch_backend) -> None:
     import torch
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray sets for a replica reserving one CPU
-    assert default_threads() == len(os.sched_getaffinity(0)) == onnx_backend.threads == torch_backend.threads
     assert onnx_backend.engine._session.get_session_options().intra_op_num_threads == onnx_backend.threads
     assert torch.get_num_threads() == torch_backend.threads
 
