@@ -6,7 +6,7 @@ args:
     - name: all-MiniLM-L6-v2
       backend: local                 # local | openai
       model_path: null               # local: defaults to the packaged all-MiniLM-L6-v2
-      engine: onnx                   # local: onnx | torch; threads: N (default: the machine's cores)
+      engine: onnx                   # local: onnx | torch; threads: N (default: the CPUs it reserved)
       batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
       cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
@@ -172,8 +172,9 @@ class ModelConfig(_Section):
     name: str
     backend: Annotated[str, _one_of(BACKENDS)] = "local"
     engine: Annotated[str, _one_of(ENGINES)] = "onnx"  # local only: onnx | torch
+    # local only
     threads: Annotated[int | None, _rule(lambda v: _is_int(v) and v >= 1, "be an integer >= 1 (the model's intra-op "
-                                         "threads; omit it for one per core)", quoted=True)] = None  # local only
+                                         "threads; omit it for one per CPU it reserved)", quoted=True)] = None
     onnx_cache_dir: Annotated[str | None, _rule(lambda v: isinstance(v, str), "be a directory path (a string)")] = None
     onnx_optimize: Annotated[bool, _rule(lambda v: isinstance(v, bool), "be true or false")] = False  # onnx only
     model_path: Text = None
