@@ -382,7 +382,7 @@ class AdaptiveBatcher(Generic[P, R]):
         delay = max(retry_after_s(exc) for _, exc in retries)
         if delay > 0:
             for item in items:
-                item.state = ItemState.DELAYED
+                item.delay()
             self._delayed.update(items)
             self._loop.call_later(delay, self._requeue, items)
         else:
@@ -432,8 +432,7 @@ class AdaptiveBatcher(Generic[P, R]):
         was_waiting = any(item.waiting for item in pending)
         for item in pending:
             self._leave_queue(item)
-            item.future.cancel()
-            item.state = ItemState.DONE
+            item.abandon()
         if pending:
             self._metrics.item_rejected(self.name, "cancelled", len(pending))
         if was_waiting:

@@ -47,6 +47,21 @@ class Item:
         """Queued or delayed: it has not been sent, and is not being sent now."""
         return self.state is ItemState.QUEUED or self.state is ItemState.DELAYED
 
+    def enqueue(self) -> None:
+        self.state = ItemState.QUEUED
+
+    def send(self) -> None:
+        self.state = ItemState.IN_FLIGHT
+
+    def delay(self) -> None:
+        """Failed retryably: it waits out a Retry-After before it queues again."""
+        self.state = ItemState.DELAYED
+
+    def abandon(self) -> None:
+        """Its caller stopped waiting: it never goes out, and a result already on its way is dropped."""
+        self.future.cancel()
+        self.state = ItemState.DONE
+
     def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Give the caller its outcome; False if it already has one."""
         self.state = ItemState.DONE
@@ -111,7 +126,7 @@ class Lane:
                 break
             self._items.popleft()
             self.discard(item)
-            item.state = ItemState.IN_FLIGHT
+            item.send()
             cost += item.cost
             batch.append(item)
             if max_cost is not None and cost >= max_cost:
@@ -126,7 +141,7 @@ class Lane:
         return items
 
     def _add(self, item: Item) -> None:
-        item.state = ItemState.QUEUED
+        item.enqueue()
         self.depth += 1
         self.cost += item.cost
 
