@@ -32,7 +32,7 @@ class EmbedRequest(NamedTuple):
     """One request's inputs and how to serve them; what the ingress forwards, many at a time, to ``embed_many``."""
 
     inputs: Sequence[str] | Sequence[Sequence[int]]
-    priority: str = "high"
+    priority: Priority | str = Priority.HIGH  # a handle caller may name it: "high" or "low"
     timeout_s: float | None = None
     dimensions: int | None = None
 
@@ -60,7 +60,7 @@ class EmbeddingModel:
     async def embed(
         self,
         texts: Sequence[str] | Sequence[Sequence[int]],
-        priority: Priority | str = "high",
+        priority: Priority | str = Priority.HIGH,
         timeout_s: float | None = None,
         dimensions: int | None = None,
     ) -> Embeddings:

@@ -88,7 +88,7 @@ class _Routes:
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        embed = EmbedRequest(body.inputs(), priority.name.lower(), _remaining(deadline), body.dimensions)
+        embed = EmbedRequest(body.inputs(), priority, _remaining(deadline), body.dimensions)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")

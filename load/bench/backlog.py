@@ -2,7 +2,7 @@
 
 The service runs as users run it (``serve run serve_config.yaml`` with ``serve.env``, in its own processes, or
 ``--url`` of one already running); the load comes from this process, and every request's status and latency are
-taken here. Cases (``--cases``, default all):
+taken here. Cases (``--cases``, default the first three):
 
 - ``low-flood``: 100 connections, each sending 64-input LOW requests back to back, beside a HIGH stream of
   single texts (Poisson, 4/s) with ``X-Request-Timeout: 2``; before it, the same HIGH stream alone (calm).
@@ -14,7 +14,8 @@ taken here. Cases (``--cases``, default all):
 - ``scale``: the HIGH stream alone until the model has its fewest replicas (``--min-replicas``, what earlier floods
   left may take minutes to go), then the ``low-flood`` load until the autoscaler has added a replica and ``seconds``
   after, then the HIGH stream alone until it has removed one (each phase at most ``settle_seconds``). Target: both
-  seen, and no answer of 5xx (nor a failed connection) at any point.
+  seen, and no answer of 5xx (nor a failed connection) at any point. It needs an application that can add a replica
+  (``--app``, ``--model``): the shipped config runs this machine's two one-CPU replicas from the start.
 
 Replicas are counted and measured from ``/proc`` (the service must run on this machine).
 """
@@ -44,6 +45,7 @@ DEADLINE_S = 2.0
 ON_TIME_S = 2.25
 APP = "embeddings"
 CASES = ("low-flood", "deadline-flood", "long-input", "scale")
+DEFAULT_CASES = CASES[:3]
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class Answer:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running service (default: start the shipped one)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma-separated, from {', '.join(CASES)} (default {','.join(DEFAULT_CASES)})")
     parser.add_argument("--seconds", type=float, help=f"length of each flood (default {Settings.seconds:g})")
     parser.add_argument("--model", default=MODEL, help=f"the model to embed with (default {MODEL})")
     parser.add_argument("--app", default=APP, help=f"the Serve application serving it (default {APP})")
