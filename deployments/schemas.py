@@ -34,13 +34,12 @@ class EmbeddingRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _one_of_the_input_shapes(cls, value: Any) -> Any:
-        normalize_input(value)
-        return value
+    def _one_of_the_input_shapes(cls, value: Any) -> Inputs:
+        return normalize_input(value)
 
     def inputs(self) -> Inputs:
-        """The inputs as a list of items: texts, or token-id lists."""
-        return normalize_input(self.input)
+        """The inputs as a list of items: texts, or token-id lists (``input`` as validated, normalised once)."""
+        return self.input
 
 
 class InvalidInputItem(ValueError):
