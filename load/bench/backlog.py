@@ -83,6 +83,7 @@ class Answer:
     kind: str
     status: int  # 0: the connection failed
     latency_s: float
+    error: str | None = None  # the start of a failed answer's body (or of the connection error)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,13 +133,16 @@ async def _post(session: aiohttp.ClientSession, model: str, kind: str, inputs: l
         headers["X-Request-Timeout"] = f"{timeout_s:g}"
     body = {"model": model, "input": inputs, "encoding_format": "base64"}
     started = time.perf_counter()
+    error = None
     try:
         async with session.post("v1/embeddings", json=body, headers=headers) as response:
-            await response.read()
+            content = await response.read()
             status = response.status
-    except aiohttp.ClientError:
-        status = 0
-    answer = Answer(kind, status, time.perf_counter() - started)
+            if status >= 400:
+                error = content[:300].decode("utf-8", "replace")
+    except aiohttp.ClientError as exc:
+        status, error = 0, repr(exc)[:300]
+    answer = Answer(kind, status, time.perf_counter() - started, error)
     answers.append(answer)
     return answer
 
@@ -266,7 +270,9 @@ def summary(answers: Sequence[Answer]) -> dict[str, Any]:
     latencies = [a.latency_s * 1000 for a in answers]
     return {"requests": len(answers), "statuses": dict(Counter(str(a.status) for a in answers)),
             "p50_ms": finite_or_none(percentile(latencies, 50)), "p99_ms": finite_or_none(percentile(latencies, 99)),
-            "max_ms": max(latencies, default=None)}
+            "max_ms": max(latencies, default=None),
+            "first_errors": {status: next(a.error for a in answers if str(a.status) == status)
+                             for status in sorted({str(a.status) for a in answers if a.error is not None})}}
 
 
 def replica_pids(title: str) -> list[int]:
