@@ -88,7 +88,7 @@ class _Routes:
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        embed = EmbedRequest(body.inputs(), priority, _remaining(deadline), body.dimensions)
+        embed = EmbedRequest(body.input, priority, _remaining(deadline), body.dimensions)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")
@@ -206,5 +206,3 @@ def _remaining(deadline: float | None) -> float | None:
 def _loop_time(monotonic_at: float) -> float:
     """A ``time.monotonic()`` moment on the running loop's clock."""
     return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
-
-

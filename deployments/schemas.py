@@ -27,7 +27,7 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    input: Any
+    input: Any  # after validation, the items as a list (Inputs): texts, or token-id lists
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: StrictStr | None = None
@@ -36,10 +36,6 @@ class EmbeddingRequest(BaseModel):
     @classmethod
     def _one_of_the_input_shapes(cls, value: Any) -> Inputs:
         return normalize_input(value)
-
-    def inputs(self) -> Inputs:
-        """The inputs as a list of items: texts, or token-id lists (``input`` as validated, normalised once)."""
-        return self.input
 
 
 class InvalidInputItem(ValueError):

@@ -59,7 +59,7 @@ class UpstreamConfig:
     rpm: int | None = field(default=None, metadata={"help": "requests per minute before 429 (none = no limit)"})
     tpm: int | None = field(default=None, metadata={"help": "tokens per minute before 429 (none = no limit)"})
     error_rate: float = field(default=0.0, metadata={
-        "help": "fraction of calls answered 500, spread evenly: the first call after the rate is set, then one in 1/rate"})
+        "help": "fraction of calls answered 500, spread evenly: the first call after it is set, then one in 1/rate"})
     max_input_tokens: int = field(default=8192, metadata={"help": "an input longer than this fails its call (400)"})
     fail_marker: str | None = field(default=None, metadata={"help": "an input containing this fails its call (400)"})
     slow_marker: str | None = field(default=None, metadata={"help": "an input containing this adds slow_ms to a call"})
@@ -214,7 +214,7 @@ class SimulatedProvider:
         self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
         self._down_until = 0.0
         self._in_flight = 0
-        self._error_credit = 1.0 - config.error_rate
+        self._calls_at_error_rate = 0  # calls since error_rate was set
         self._tokenizer = cl100k()
 
     async def embeddings(self, body: bytes) -> EmbeddingsResult:
@@ -242,7 +242,7 @@ class SimulatedProvider:
         if down_for_s is not None:
             self._down_until = time.monotonic() + down_for_s
         if config.error_rate != self.config.error_rate:
-            self._error_credit = 1.0 - config.error_rate
+            self._calls_at_error_rate = 0
         self.config = config
 
     def faults(self) -> dict[str, Any]:
@@ -280,14 +280,11 @@ class SimulatedProvider:
             self._in_flight -= 1
 
     def _fails_this_call(self) -> bool:
-        # Counted, not drawn: a short fault window still sees its share of failures (a 5% draw over 20 calls gives
-        # none about a third of the time).
-        rate = self.config.error_rate
-        self._error_credit += rate
-        if rate == 0 or self._error_credit < 1.0 - 1e-9:
-            return False
-        self._error_credit -= 1.0
-        return True
+        # Counted, not drawn: call k since the rate was set fails when floor(k * rate) steps up (k = 0, 1/rate, ...),
+        # so a short fault window still sees its share (a 5% draw over 20 calls gives none a third of the time).
+        k, rate = self._calls_at_error_rate, self.config.error_rate
+        self._calls_at_error_rate += 1
+        return rate > 0 and math.floor(k * rate) != math.floor((k - 1) * rate)
 
     def _check_items(self, items: list[str] | list[list[int]]) -> list[int]:
         """Token count of every input; the first invalid input fails the call with 400 naming its index."""

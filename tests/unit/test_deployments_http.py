@@ -27,7 +27,7 @@ def request(**body) -> bytes:
     ([[1, 2], [3]], [[1, 2], [3]]),
 ])
 def test_every_input_shape_becomes_a_list_of_items(value, items) -> None:
-    assert parse_request(request(input=value)).inputs() == items
+    assert parse_request(request(input=value)).input == items
 
 
 @pytest.mark.parametrize("value, fragment", [
