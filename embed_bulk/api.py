@@ -17,7 +17,6 @@ from typing import Any
 import httpx2
 import numpy as np
 import openai
-from openai.types import CreateEmbeddingResponse, Embedding
 
 from embed_bulk.documents import DocId, Document
 from embed_bulk.settings import BulkSettings
@@ -93,8 +92,8 @@ class EmbeddingsClient:
         pending, outcome = list(documents), BatchOutcome()
         while pending:
             try:
-                response = await self._client.embeddings.create(input=[doc.text for doc in pending], **self._options)
-                vectors = decode_embeddings(response, len(pending))
+                body = await self._create(pending)
+                vectors = decode_embeddings(body, len(pending))
             except openai.BadRequestError as error:
                 if (index := failing_index(error.param, len(pending))) is not None:
                     outcome.failed.append(Failure(pending.pop(index).id, error_message(error), 400))
@@ -102,13 +101,22 @@ class EmbeddingsClient:
                 outcome.failed.extend(_failures(pending, error))
             except (openai.APIStatusError, openai.APIConnectionError) as error:
                 outcome.failed.extend(_failures(pending, error))
-            except (openai.APIResponseValidationError, ValueError, KeyError, TypeError, AttributeError) as error:
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 outcome.failed.extend(Failure(doc.id, f"malformed response: {error}") for doc in pending)
             else:
-                self.counters.tokens += _tokens(response)
+                self.counters.tokens += _tokens(body)
                 outcome.embedded.extend((doc.id, vector) for doc, vector in zip(pending, vectors, strict=True))
             pending = []
         return outcome
+
+    async def _create(self, documents: Sequence[Document]) -> Any:
+        """The decoded JSON body of one embeddings call: sent with the SDK's retries and errors, read by hand. The
+        SDK's `embeddings.create` builds a model object per embedding and walks the input list to transform it:
+        a quarter of embed-bulk's CPU on a cached re-run, where the service answers 256 rows in ~100 ms (py-spy)."""
+        response = await self._client.post(
+            "/embeddings", body={"input": [doc.text for doc in documents], **self._options}, cast_to=httpx2.Response
+        )
+        return response.json()
 
 
 def _failures(pending: list[Document], error: openai.APIStatusError | openai.APIConnectionError) -> list[Failure]:
@@ -125,10 +133,10 @@ def _failures(pending: list[Document], error: openai.APIStatusError | openai.API
     return [Failure(doc.id, message, status) for doc in pending]
 
 
-def decode_embeddings(response: CreateEmbeddingResponse, count: int) -> np.ndarray:
-    """The `[count, d]` float32 matrix of an embeddings response, rows in input order."""
-    data = sorted(response.data, key=lambda item: item.index)
-    if [item.index for item in data] != list(range(count)):
+def decode_embeddings(body: Any, count: int) -> np.ndarray:
+    """The `[count, d]` float32 matrix of an embeddings response body, rows in input order."""
+    data = sorted(body["data"], key=lambda item: item["index"])
+    if [item["index"] for item in data] != list(range(count)):
         raise ValueError(f"expected embeddings for indexes 0..{count - 1}, got {len(data)} items")
     vectors = [_vector(item) for item in data]
     if len({vector.shape for vector in vectors}) != 1:
@@ -154,17 +162,16 @@ def error_message(error: openai.APIError) -> str:
     return error.message
 
 
-def _vector(item: Embedding) -> np.ndarray:
-    # an explicit encoding_format="base64" comes back as the string the server sent, left for numpy to decode
-    embedding: str | list[float] = item.embedding
-    if isinstance(embedding, str):
+def _vector(item: dict[str, Any]) -> np.ndarray:
+    embedding: str | list[float] = item["embedding"]
+    if isinstance(embedding, str):  # encoding_format="base64": little-endian float32
         return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
     return np.asarray(embedding, dtype=np.float32)
 
 
-def _tokens(response: CreateEmbeddingResponse) -> int:
-    usage = response.usage
-    return int(usage.total_tokens or usage.prompt_tokens or 0) if usage is not None else 0
+def _tokens(body: Any) -> int:
+    usage = body.get("usage") or {}
+    return int(usage.get("total_tokens") or usage.get("prompt_tokens") or 0)
 
 
 def _cause(error: openai.APIConnectionError) -> str:

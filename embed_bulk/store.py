@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -52,20 +52,22 @@ class AppendLog:
         self.dropped_bytes = 0  # the torn tail `recover` cut off
         self._file: BinaryIO | None = None
 
-    def recover(self) -> list[Any]:
-        """The ids of the complete rows; a torn tail (a last line cut short or unreadable) is cut off the file."""
+    def recover(self, note: Callable[[dict[str, Any]], Any] | None = None) -> list[Any]:
+        """The ids of the complete rows, or what `note` makes of each; a torn tail (a last line cut short or
+        unreadable) is cut off the file."""
         if not self.path.exists():
             return []
-        ids, intact = [], 0
+        noted, intact = [], 0
         with self.path.open("rb") as log:
             for line in log:
                 record = _parse_line(line)
                 if record is None:
                     break
-                ids.append(_record_id(record, self.path))
+                doc_id = _record_id(record, self.path)
+                noted.append(doc_id if note is None else note(record))
                 intact += len(line)
         self._cut_after(intact)
-        return ids
+        return noted
 
     def records(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -126,14 +128,17 @@ class NpyStore:
         self.path = path
         self.ids_path = sidecar(path, "ids.jsonl")
         self._work = AppendLog(sidecar(path, "partial.jsonl"))
+        self._widths: dict[DocId, int] = {}  # the work log's rows and their widths, known without reading it again
 
     @property
     def dropped_bytes(self) -> int:
         return self._work.dropped_bytes
 
     def recover(self) -> set[DocId]:
+        """The rows done; called before any `append`, as a run does."""
         if self._work.path.exists():
-            return set(self._work.recover())
+            self._widths = dict(self._work.recover(lambda record: (record["id"], _width(record))))
+            return set(self._widths)
         if self.path.exists() and self.ids_path.exists():
             return set(_read_ids(self.ids_path))
         return set()
@@ -142,13 +147,14 @@ class NpyStore:
         if not self._work.path.exists() and self.path.exists():
             self._seed_work_from_matrix()
         self._work.append({"id": doc_id, "b64": _encode(vector)} for doc_id, vector in rows)
+        self._widths.update((doc_id, len(vector)) for doc_id, vector in rows)
 
     def finish(self, input_ids: Sequence[DocId]) -> None:
         """Writes the matrix from the work log; deletes the log once every input row is in the matrix."""
         self.close()
         if not self._work.path.exists() and self.path.exists():
             return  # an earlier run assembled it and nothing was added since
-        kept = assemble_matrix(self._work.records, input_ids, self.path, self.ids_path)
+        kept = assemble_matrix(self._work.records, self._widths, input_ids, self.path, self.ids_path)
         if kept == len(input_ids):
             self._work.path.unlink(missing_ok=True)
 
@@ -165,6 +171,7 @@ class NpyStore:
             chunk = ids[start : start + 1024]
             seed.append({"id": doc_id, "b64": _encode(matrix[start + i])} for i, doc_id in enumerate(chunk))
         seed.close()
+        self._widths = dict.fromkeys(ids, matrix.shape[1])
         if seed.path.exists():
             os.replace(seed.path, self._work.path)
             _fsync_directory(self.path.parent)
@@ -177,11 +184,13 @@ def open_store(settings: BulkSettings) -> EmbeddingStore:
 
 
 def assemble_matrix(
-    records: Callable[[], Iterable[dict[str, Any]]], input_ids: Sequence[DocId], matrix_path: Path, ids_path: Path
+    records: Callable[[], Iterable[dict[str, Any]]], row_widths: Mapping[DocId, int], input_ids: Sequence[DocId],
+    matrix_path: Path, ids_path: Path,
 ) -> int:
-    """Writes the rows of `records()` whose ids are in `input_ids` as a matrix in input order; returns its rows."""
+    """Writes the rows of `records()` (`row_widths`: their ids and widths) whose ids are in `input_ids` as a matrix
+    in input order; returns its rows. The log is read once."""
     position = {doc_id: i for i, doc_id in enumerate(input_ids)}
-    widths = {record["id"]: _width(record) for record in records() if record["id"] in position}
+    widths = {doc_id: width for doc_id, width in row_widths.items() if doc_id in position}
     if len(set(widths.values())) > 1:
         raise StoreError(f"{matrix_path}: rows of different widths {sorted(set(widths.values()))}; start afresh")
     kept = sorted(widths, key=position.__getitem__)
@@ -243,7 +252,9 @@ def _record_id(record: dict[str, Any], path: Path) -> DocId:
 
 
 def _width(record: dict[str, Any]) -> int:
-    return len(base64.b64decode(record["b64"])) // 4
+    """The floats a row holds, from the length of its base64 text (each 4 characters hold 3 bytes)."""
+    text = record["b64"]
+    return (len(text) // 4 * 3 - text[-2:].count("=")) // 4
 
 
 def _encode(vector: np.ndarray) -> str:
