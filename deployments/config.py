@@ -94,7 +94,7 @@ class CacheConfig(_Section):
     store: Annotated[str, _one_of(CACHE_STORES)]  # disk: this node's replicas share a directory | redis: every node
     timeout_ms: Seconds = 50.0  # each store call; a slower one is a miss
     ttl_s: Seconds | None = None  # entries expire after; None: disk keeps them (bytes bound only), redis a week
-    # disk only: the directory's bound (least recently used entries go first)
+    # disk only: the directory's bound (least recently stored entries go first)
     max_bytes: Annotated[int, _int_at_least(MIN_CACHE_BYTES, " (bytes)")] = 1024**3
     directory: Text = None  # disk only; None: ~/.cache/adaptive-embeddings/vectors/<model name>
     url_env: Name = "EMBEDDINGS_CACHE_REDIS_URL"  # redis only: the variable holding the URL (or NAME_FILE a file)
