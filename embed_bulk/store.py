@@ -4,7 +4,9 @@ are the rows already done.
 
 - `*.jsonl` output is that log itself: rows `{"id", "embedding"}` in the order batches finished.
 - `*.npy` output is assembled at the end of a run, in input order, from the work log `<out>.partial.jsonl`
-  (rows `{"id", "b64"}`: little-endian float32, base64) into `<out>` + `<out>.ids.jsonl` (one JSON id a line,
+  (a line per finished batch, `{"ids": [...], "b64": ...}`: its rows as one little-endian float32 matrix, base64;
+  one-row lines `{"id", "b64"}`, which earlier versions wrote, are read too: a run they left unfinished continues)
+  into `<out>` + `<out>.ids.jsonl` (one JSON id a line,
   row i of the matrix is line i), both written to temporary files and renamed into place. The work log is deleted
   once every input row is in the matrix; while rows are missing (failed or interrupted) it stays, and the next run
   continues it.
@@ -52,22 +54,21 @@ class AppendLog:
         self.dropped_bytes = 0  # the torn tail `recover` cut off
         self._file: BinaryIO | None = None
 
-    def recover(self, note: Callable[[dict[str, Any]], Any] | None = None) -> list[Any]:
-        """The ids of the complete rows, or what `note` makes of each; a torn tail (a last line cut short or
-        unreadable) is cut off the file."""
+    def recover(self, rows_of: Callable[[dict[str, Any], Path], Iterable[Any]] | None = None) -> list[Any]:
+        """The ids of the complete rows (what `rows_of` lists for each line: by default its `id`); a torn tail (a
+        last line cut short or unreadable) is cut off the file."""
         if not self.path.exists():
             return []
-        noted, intact = [], 0
+        rows, intact = [], 0
         with self.path.open("rb") as log:
             for line in log:
                 record = _parse_line(line)
                 if record is None:
                     break
-                doc_id = _record_id(record, self.path)
-                noted.append(doc_id if note is None else note(record))
+                rows.extend([_record_id(record, self.path)] if rows_of is None else rows_of(record, self.path))
                 intact += len(line)
         self._cut_after(intact)
-        return noted
+        return rows
 
     def records(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -137,7 +138,7 @@ class NpyStore:
     def recover(self) -> set[DocId]:
         """The rows done; called before any `append`, as a run does."""
         if self._work.path.exists():
-            self._widths = dict(self._work.recover(lambda record: (record["id"], _width(record))))
+            self._widths = dict(self._work.recover(_row_widths))
             return set(self._widths)
         if self.path.exists() and self.ids_path.exists():
             return set(_read_ids(self.ids_path))
@@ -146,8 +147,10 @@ class NpyStore:
     def append(self, rows: Sequence[Row]) -> None:
         if not self._work.path.exists() and self.path.exists():
             self._seed_work_from_matrix()
-        self._work.append({"id": doc_id, "b64": _encode(vector)} for doc_id, vector in rows)
-        self._widths.update((doc_id, len(vector)) for doc_id, vector in rows)
+        ids = [doc_id for doc_id, _ in rows]
+        block = np.stack([vector for _, vector in rows])
+        self._work.append([{"ids": ids, "b64": _encode(block)}])
+        self._widths.update(dict.fromkeys(ids, block.shape[1]))
 
     def finish(self, input_ids: Sequence[DocId]) -> None:
         """Writes the matrix from the work log; deletes the log once every input row is in the matrix."""
@@ -168,8 +171,7 @@ class NpyStore:
         seed.path.unlink(missing_ok=True)
         ids = _read_ids(self.ids_path)
         for start in range(0, len(ids), 1024):
-            chunk = ids[start : start + 1024]
-            seed.append({"id": doc_id, "b64": _encode(matrix[start + i])} for i, doc_id in enumerate(chunk))
+            seed.append([{"ids": ids[start : start + 1024], "b64": _encode(matrix[start : start + 1024])}])
         seed.close()
         self._widths = dict.fromkeys(ids, matrix.shape[1])
         if seed.path.exists():
@@ -198,7 +200,9 @@ def assemble_matrix(
     width = next(iter(widths.values()), 0)
     matrix_tmp = matrix_path.with_name(matrix_path.name + ".tmp")
     ids_tmp = ids_path.with_name(ids_path.name + ".tmp")
-    _write_matrix(matrix_tmp, (len(kept), width), ((row_of.get(r["id"]), r) for r in records()))
+    blocks = (_block(record, matrix_path) for record in records())
+    _write_matrix(matrix_tmp, (len(kept), width), (([row_of.get(doc_id) for doc_id in ids], block)
+                                                   for ids, block in blocks))
     _write_ids(ids_tmp, kept)
     os.replace(ids_tmp, ids_path)
     os.replace(matrix_tmp, matrix_path)
@@ -206,7 +210,9 @@ def assemble_matrix(
     return len(kept)
 
 
-def _write_matrix(path: Path, shape: tuple[int, int], placed: Iterable[tuple[int | None, dict[str, Any]]]) -> None:
+def _write_matrix(path: Path, shape: tuple[int, int], placed: Iterable[tuple[list[int | None], np.ndarray]]) -> None:
+    """The matrix of `shape` from blocks of rows, each row going to the row of the matrix named beside it (or
+    nowhere: None)."""
     if shape[0] == 0:
         with path.open("wb") as file:
             np.save(file, np.zeros(shape, dtype="<f4"))
@@ -214,9 +220,10 @@ def _write_matrix(path: Path, shape: tuple[int, int], placed: Iterable[tuple[int
             os.fsync(file.fileno())
         return
     matrix = np.lib.format.open_memmap(path, mode="w+", dtype="<f4", shape=shape)
-    for row, record in placed:
-        if row is not None:
-            matrix[row] = _decode(record["b64"])
+    for rows, block in placed:
+        kept = [i for i, row in enumerate(rows) if row is not None]
+        if kept:
+            matrix[[rows[i] for i in kept]] = block[kept]
     matrix.flush()
     del matrix
     with path.open("rb+") as file:
@@ -251,18 +258,30 @@ def _record_id(record: dict[str, Any], path: Path) -> DocId:
     return record["id"]
 
 
-def _width(record: dict[str, Any]) -> int:
-    """The floats a row holds, from the length of its base64 text (each 4 characters hold 3 bytes)."""
-    text = record["b64"]
-    return (len(text) // 4 * 3 - text[-2:].count("=")) // 4
+def _batch(record: dict[str, Any], path: Path) -> tuple[list[DocId], str]:
+    """A work-log line's ids and the base64 of its rows: a batch, or one row as earlier versions wrote them."""
+    if "ids" in record:
+        return list(record["ids"]), record["b64"]
+    return [_record_id(record, path)], record["b64"]
 
 
-def _encode(vector: np.ndarray) -> str:
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+def _row_widths(record: dict[str, Any], path: Path) -> list[tuple[DocId, int]]:
+    """Each row of a work-log line with the floats it holds, from the length of the base64 text (each 4 characters
+    hold 3 bytes), so nothing is decoded."""
+    ids, text = _batch(record, path)
+    floats = (len(text) // 4 * 3 - text[-2:].count("=")) // 4
+    if not ids or floats % len(ids):
+        raise StoreError(f"{path}: a line holds {floats} floats for {len(ids)} rows; start afresh")
+    return [(doc_id, floats // len(ids)) for doc_id in ids]
 
 
-def _decode(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<f4")
+def _block(record: dict[str, Any], path: Path) -> tuple[list[DocId], np.ndarray]:
+    ids, text = _batch(record, path)
+    return ids, np.frombuffer(base64.b64decode(text), dtype="<f4").reshape(len(ids), -1)
+
+
+def _encode(rows: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(rows, dtype="<f4").tobytes()).decode("ascii")
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -273,7 +273,7 @@ async def test_npy_rerun_after_cancel_with_concurrent_batches_completes_in_input
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    saved = {row["id"] for row in jsonl_rows(tmp_path / "out.npy.partial.jsonl")}
+    saved = {doc_id for batch in jsonl_rows(tmp_path / "out.npy.partial.jsonl") for doc_id in batch["ids"]}
     assert 25 <= len(saved) < 60 and not (tmp_path / "out.npy").exists()
 
     second = FakeEmbeddingsAPI()
@@ -283,6 +283,19 @@ async def test_npy_rerun_after_cancel_with_concurrent_batches_completes_in_input
     assert max(second.inputs.values()) == 1 and summary.skipped == len(saved)
     assert (tmp_path / "out.npy.ids.jsonl").read_text().split() == [json.dumps(doc_id) for doc_id in ids]
     assert np.array_equal(np.load(tmp_path / "out.npy"), np.stack([vector_of(text) for text in texts(60)]))
+
+
+async def test_an_npy_work_log_of_single_rows_from_an_earlier_version_is_continued(tmp_path: Path) -> None:
+    ids = write_jsonl(tmp_path / "docs.jsonl", texts(10))
+    old_rows = [{"id": doc_id, "b64": base64.b64encode(vector_of(text_of(doc_id)).tobytes()).decode()}
+                for doc_id in ids[:4]]
+    (tmp_path / "out.npy.partial.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old_rows))
+    api = FakeEmbeddingsAPI()
+
+    summary = await run(settings(tmp_path, "out.npy"), api)
+
+    assert summary.skipped == 4 and sorted(api.inputs) == sorted(text_of(doc_id) for doc_id in ids[4:])
+    assert np.array_equal(np.load(tmp_path / "out.npy"), np.stack([vector_of(text) for text in texts(10)]))
 
 
 async def test_a_finished_npy_run_rerun_sends_nothing(tmp_path: Path) -> None:
