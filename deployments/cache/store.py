@@ -2,8 +2,10 @@
 
 A store maps keys to the bytes of one float32 vector. The guard gives each read ``timeout_s`` and each write, which
 runs after its request was answered, up to ``WRITE_TIMEOUT_S``; a read that fails, times out or finds the store
-failing a moment ago (a read failed within ``COOL_DOWN_S``) is a miss, a write that fails is lost (a later miss):
-never an error for the request. Each failure is counted; the log says when a store starts failing and when it
+failing a moment ago is a miss, a write that fails is lost (a later miss): never an error for the request. A failed
+read keeps requests off the store for ``COOL_DOWN_S`` unless the store answered another call meanwhile: a store
+that answers nothing is skipped, one that answers late under load (a bulk job's lookups queued behind each other)
+is still asked, for a skipped lookup is paid for by computing every input it would have found. Each failure is counted; the log says when a store starts failing and when it
 answers again, naming the store and the error's type only: no key or value is ever logged.
 """
 
@@ -44,6 +46,7 @@ class GuardedStore:
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._failing_until: float | None = None  # loop time; None while the store answers
+        self._answered_at: float | None = None  # loop time of the last call the store answered
 
     @property
     def name(self) -> str:
@@ -53,10 +56,11 @@ class GuardedStore:
         """The keys the store holds, with their values; {} if it cannot say in time."""
         if not keys or self._cooling_down():
             return {}
+        sent = asyncio.get_running_loop().time()
         try:
             values = await asyncio.wait_for(self._store.get_many(keys), self._timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
-            self._failed("get", exc)
+            self._failed("get", exc, cool_down=self._answered_at is None or self._answered_at < sent)
             return {}
         self._answered()
         found = {key: value for key, value in zip(keys, values) if value is not None}
@@ -85,8 +89,9 @@ class GuardedStore:
         return True
 
     def _failed(self, op: str, exc: Exception, cool_down: bool = True) -> None:
-        """Count a failed call; a failed read is also logged (when the store starts failing) and keeps requests off
-        the store for ``COOL_DOWN_S``. A failed write costs no request, only a later miss: it is counted only."""
+        """Count a failed call; with ``cool_down`` (a read the store answered nothing else during), it is also logged
+        (when the store starts failing) and keeps requests off the store for ``COOL_DOWN_S``. A failed write costs
+        no request, only a later miss: it is counted only."""
         reason = "timeout" if isinstance(exc, TimeoutError) else "error"
         self._metrics.store_failed(self._cache, self.name, op, reason)
         if cool_down and self._failing_until is None:
@@ -96,6 +101,7 @@ class GuardedStore:
             self._failing_until = asyncio.get_running_loop().time() + COOL_DOWN_S
 
     def _answered(self) -> None:
+        self._answered_at = asyncio.get_running_loop().time()
         if self._failing_until is not None:
             logger.info("embedding cache %r: the %s store answers again", self._cache, self.name)
             self._failing_until = None

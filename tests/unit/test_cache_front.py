@@ -172,6 +172,23 @@ async def test_a_slow_store_costs_at_most_its_timeout() -> None:
     assert metrics.store_errors[("get", "timeout")] == 1
 
 
+async def test_a_read_answered_late_while_the_store_answers_others_does_not_keep_requests_off_it() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics)
+    await embed(cache, model, "text", "other")
+    await settle()
+    store.delay_s = 10.0
+    late = await started(embed(cache, model, "text"))
+    store.delay_s = 0.0
+    (answered,) = await embed(cache, model, "other")  # sent after the late read, answered before its timeout
+    (computed,) = await late
+    (found,) = await embed(cache, model, "other")  # right after the late read: the store is still asked
+    assert metrics.store_errors == {("get", "timeout"): 1}  # nothing skipped
+    assert store.calls["get"] == 4 and model.calls == [["text", "other"], ["text"]]  # the late read's input alone
+    assert computed.tobytes() == vector("text").tobytes()
+    assert found.tobytes() == answered.tobytes() == vector("other").tobytes()
+
+
 async def test_a_stored_value_that_is_not_a_float32_vector_is_a_miss() -> None:
     store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
     cache = make_cache(store, metrics)
