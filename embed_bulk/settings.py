@@ -29,8 +29,8 @@ class BulkSettings:
     model: str = "all-MiniLM-L6-v2"
     api_key: str | None = None
     priority: str = "low"
-    concurrency: int = 2  # few large requests: as fast as 8 x 64 in the bulk benchmark with a quarter of the
-    batch_size: int = 256  # requests, each of which costs the service CPU that interactive traffic needs
+    concurrency: int = 16  # enough in flight that a cached re-run is not bound by each request's latency
+    batch_size: int = 256  # (see "Nightly bulk indexing" in the README for the measurements)
     max_rate: float | None = None  # documents a second at most
     max_retries: int = 5
     timeout_s: float = 120.0
