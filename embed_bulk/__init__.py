@@ -1,6 +1,6 @@
 """Bulk indexing client: embed every document of a file through the embeddings API, resumably.
 
-    python -m embed_bulk docs.jsonl vectors.npy --base-url http://127.0.0.1:8000/v1 --concurrency 16
+    python -m embed_bulk docs.jsonl vectors.npy --base-url http://127.0.0.1:8000/v1
     embed-bulk corpus.txt vectors.jsonl --batch-size 128        (same command again resumes after a kill)
 
 Input: JSONL rows with an id and a text field (`--id-field`, `--text-field`), or plain text: one document a line,

@@ -4,17 +4,14 @@ Process-safe (SQLite's locking), bounded in bytes (``size_limit``: every write e
 entries while the directory's volume is over it), with an optional expiry. The directory is created readable by
 this user only: it holds vectors of users' texts.
 
-Lookups are plain reads, run on the event loop: a 256-key lookup takes ~2 ms of CPU (in the page cache), and a read
-that waits for another process's lock longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard
-serves as a miss. Two measured reasons for that shape, from a cached bulk re-run with 16 requests of 256 keys in
-flight (embed-bulk --concurrency 16):
-- Eviction goes by store time, not by last use, so that a read never writes. Under diskcache's LRU policy each read
-  rewrites the entry's access time in a write transaction, concurrent lookups queued on SQLite's write lock past
-  the guard's 50 ms, and the re-run billed 64% of its tokens again (7% is what changed). A vector that stays in use
-  is evicted once it is the oldest, and stored again by the request that next misses it.
-- On a worker thread the same reads took up to 75 ms: each of a lookup's hundreds of SQLite calls gives up the GIL
-  and must win it back from a busy event loop. On one thread 17 of 159 lookups passed 50 ms (31% billed; on four,
-  45 of 159); inline, none did (7%).
+Lookups are plain reads on the event loop (~2 ms for 256 keys in the page cache); one that waits for another
+process's lock longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss. Both
+choices keep concurrent lookups from queueing past the guard's timeout (README, "Cache": a bulk re-run with 16
+requests of 256 keys in flight):
+- eviction by store time, so a read never writes: under diskcache's LRU policy each read is a write transaction,
+  and the lookups queued on SQLite's write lock (64% of the re-run's tokens billed again, 7% with reads only);
+- reads on the loop, not a worker thread, where each of a lookup's many SQLite calls gives up the GIL and must win
+  it back from the busy loop (31% billed).
 Writes, which run after the request was answered, stay on a thread of their own.
 """
 

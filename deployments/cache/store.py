@@ -5,8 +5,9 @@ runs after its request was answered, up to ``WRITE_TIMEOUT_S``; a read that fail
 failing a moment ago is a miss, a write that fails is lost (a later miss): never an error for the request. A failed
 read keeps requests off the store for ``COOL_DOWN_S`` unless the store answered another call meanwhile: a store
 that answers nothing is skipped, one that answers late under load (a bulk job's lookups queued behind each other)
-is still asked, for a skipped lookup is paid for by computing every input it would have found. Each failure is counted; the log says when a store starts failing and when it
-answers again, naming the store and the error's type only: no key or value is ever logged.
+is still asked, for a skipped lookup is paid for by computing every input it would have found. Each failure is
+counted; the log says when a store starts failing and when it answers again, naming the store and the error's type
+only: no key or value is ever logged.
 """
 
 from __future__ import annotations
