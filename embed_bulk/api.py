@@ -9,7 +9,6 @@ after connection errors, timeouts, 408, 409 and 5xx. What is left when it gives 
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ import httpx2
 import numpy as np
 import openai
 
+from deployments.backends.embeddings_body import decode_embeddings
 from embed_bulk.documents import DocId, Document
 from embed_bulk.settings import BulkSettings
 
@@ -133,17 +133,6 @@ def _failures(pending: list[Document], error: openai.APIStatusError | openai.API
     return [Failure(doc.id, message, status) for doc in pending]
 
 
-def decode_embeddings(body: Any, count: int) -> np.ndarray:
-    """The `[count, d]` float32 matrix of an embeddings response body, rows in input order."""
-    data = sorted(body["data"], key=lambda item: item["index"])
-    if [item["index"] for item in data] != list(range(count)):
-        raise ValueError(f"expected embeddings for indexes 0..{count - 1}, got {len(data)} items")
-    vectors = [_vector(item) for item in data]
-    if len({vector.shape for vector in vectors}) != 1:
-        raise ValueError("embeddings of different widths in one response")
-    return np.stack(vectors)
-
-
 def failing_index(param: str | None, count: int) -> int | None:
     """The input an error's `param` names (`"input[3]"`), if it is one of the `count` sent."""
     if param is None or not (param.startswith("input[") and param.endswith("]")):
@@ -160,13 +149,6 @@ def error_message(error: openai.APIError) -> str:
     if isinstance(body, str) and body:
         return body[:500]
     return error.message
-
-
-def _vector(item: dict[str, Any]) -> np.ndarray:
-    embedding: str | list[float] = item["embedding"]
-    if isinstance(embedding, str):  # encoding_format="base64": little-endian float32
-        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
-    return np.asarray(embedding, dtype=np.float32)
 
 
 def _tokens(body: Any) -> int:

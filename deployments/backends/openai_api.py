@@ -8,24 +8,30 @@ The batcher retries per item, so this backend only classifies what went wrong:
 The upstream key never appears in an error: a 401/403 is reported without the upstream's message (OpenAI's echoes
 part of the key), and the key is masked in every other message.
 Token ids are passed on as they are; token counts come from the upstream model's encoding (cl100k_base or o200k_base).
+
+Calls go through the SDK (its errors, timeouts and headers) on its aiohttp transport, and the answer is read as JSON:
+per call with 6 texts on the simulated upstream, 0.46 ms of CPU against 1.04 ms for ``embeddings.create`` on the
+default httpx transport, where building a model object per embedding and httpcore's I/O took the difference.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import email.utils
 import os
 import time
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import httpx
+import httpx2
 import numpy as np
 import openai
+import orjson
 
 from .. import tokens
 from ..secrets import read_secret
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared, UpstreamError
+from .embeddings_body import decode_embeddings
 
 DEFAULT_RETRY_AFTER_S = 1.0  # a 429 that does not say how long to wait
 # Inputs of a request longer than this in all (characters, or ids) are counted on a worker thread. bpe-openai counts
@@ -47,11 +53,12 @@ class OpenAIBackend(EmbeddingBackend):
         timeout_s: float = 30.0,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        """``http_client``: what the ``openai`` client sends its requests through (by default its own)."""
+        """``http_client``: what the ``openai`` client sends its requests through (by default the SDK's aiohttp one)."""
         api_key = read_secret(api_key_env, os.environ) if api_key_env else ""
         self._api_key = api_key
         self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s, http_client=http_client
+            base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s,
+            http_client=http_client or openai.DefaultAioHttpClient(),
         )
         self._model = upstream_model
         self._encoding = tokens.encoding_name_for_model(upstream_model)
@@ -107,7 +114,7 @@ class OpenAIBackend(EmbeddingBackend):
         if dimensions is not None:
             request["dimensions"] = dimensions
         try:
-            response = await self._client.embeddings.create(**request)
+            response = await self._client.post("/embeddings", body=request, cast_to=httpx2.Response)
         except openai.APIStatusError as exc:
             if exc.status_code in _REJECTING_STATUSES:
                 raise ItemRejected(f"the upstream refused the input: {self._mask(_upstream_message(exc))}") from None
@@ -118,7 +125,7 @@ class OpenAIBackend(EmbeddingBackend):
         except asyncio.CancelledError:  # the batch timed out, or every caller gave up
             self._abandoned(len(items))
             raise
-        return self._vectors(response, len(items))
+        return self._vectors(response.content, len(items))
 
     def _abandoned(self, items: int) -> None:
         self.abandoned_calls += 1
@@ -130,24 +137,18 @@ class OpenAIBackend(EmbeddingBackend):
     def stats(self) -> dict[str, int]:
         return {"abandoned_calls": self.abandoned_calls, "abandoned_items": self.abandoned_items}
 
-    def _vectors(self, response: Any, expected: int) -> list[np.ndarray | BaseException]:
-        data = sorted(response.data, key=lambda entry: entry.index)
-        if len(data) != expected:
-            error = f"the upstream returned {len(data)} embeddings for {expected} inputs"
+    def _vectors(self, body: bytes, expected: int) -> list[np.ndarray | BaseException]:
+        try:
+            matrix = decode_embeddings(orjson.loads(body), expected)
+        except (ValueError, KeyError, TypeError) as exc:  # orjson's JSONDecodeError is a ValueError
+            error = f"the upstream's answer is not one embedding per input: {exc}"
             return [UpstreamError(error) for _ in range(expected)]
-        vectors = [_decode_vector(entry.embedding) for entry in data]
-        if vectors and self._dimension is None:
-            self._dimension = int(vectors[0].shape[0])
-        return vectors
+        if self._dimension is None:
+            self._dimension = int(matrix.shape[1])
+        return list(matrix)
 
     async def aclose(self) -> None:
         await self._client.close()
-
-
-def _decode_vector(embedding: str | Sequence[float]) -> np.ndarray:
-    if isinstance(embedding, str):  # base64 of little-endian float32
-        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float32)
-    return np.asarray(embedding, dtype=np.float32)
 
 
 def _status_error(exc: openai.APIStatusError, mask: Callable[[str], str]) -> UpstreamError:
