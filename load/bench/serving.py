@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import yaml
 
 from load.loadgen import check, closed_loop
+from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 
 from .harness import rotated
@@ -50,7 +51,10 @@ def one_replica(model: Mapping[str, Any], **batching: Any) -> dict[str, Any]:
 UNBATCHED = {"max_batch_size": 1, "max_wait_ms": 0.0, "max_batch_tokens": None}
 
 SIM_MODEL = "sim-embed"  # the model the benchmarks on the simulated upstream serve
-SIM_BATCHING = {"max_batch_size": 200, "max_wait_ms": 25.0, "scale_factor": 15.0, "max_concurrent_batches": 4}
+# As many batches in flight as the simulated upstream serves at once (its provider concurrency): with fewer, the
+# service left slots of the upstream unused while its batches waited for one of its own (c64: 596 vs 740 texts/s).
+SIM_BATCHING = {"max_batch_size": 200, "max_wait_ms": 25.0, "scale_factor": 15.0,
+                "max_concurrent_batches": UpstreamConfig().max_concurrency}
 
 
 def sim_model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
