@@ -12,7 +12,11 @@ from typing import Iterator
 
 import pytest
 
-from tests.integration.helpers import (APP_NAME, MODEL, Service, default_app_args, start_ray_and_serve,
+from load.bench.serving import use_serve_env
+
+use_serve_env(blocking_handles=True)  # the service as `serve run` starts it (serve.env: HAProxy, gRPC), first
+
+from tests.integration.helpers import (APP_NAME, MODEL, Service, default_app_args, start_ray_and_serve,  # noqa: E402
                                        stop_ray_and_serve)
 
 

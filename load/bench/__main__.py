@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .report import RESULTS_DIR
+from .serving import use_serve_env
 
 # Scenario name -> module. A module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; its docstring's
 # first line is the subcommand's help. Every scenario takes ``--results-dir`` and ``--quick`` (a tiny run: its
@@ -51,7 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Scenarios that start Ray as a cluster's nodes do, without serve.env (README "Running on a cluster").
+WITHOUT_SERVE_ENV = {"cluster"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The others run Ray as `serve run` does; this must precede the scenarios' imports of Ray Serve.
+    if argv[:1] and argv[0] not in WITHOUT_SERVE_ENV and "ray.serve" not in sys.modules:
+        use_serve_env()
     args = build_parser().parse_args(argv)
     args.run(args)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,32 @@ def serve_env() -> dict[str, str]:
     """The variables of ``serve.env``: the environment the README's run command gives Ray (HAProxy in front)."""
     lines = (line.strip() for line in SERVE_ENV.read_text().splitlines())
     return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def use_serve_env(blocking_handles: bool = False) -> None:
+    """Put ``serve.env`` into this process's environment, for the Ray it starts and for Ray Serve itself: Serve reads
+    it once, when it is imported, and a handle made in this process (every application deployed from it) is bound
+    then to the transport it names (gRPC between replicas, with the preset), so it must come before that import.
+
+    ``blocking_handles``: this process calls handles outside an event loop (``.result()``), which the preset's
+    router on the caller's loop cannot serve, so here (only: not in the replicas) the router gets a loop of its own."""
+    if "ray.serve" in sys.modules:
+        raise RuntimeError("serve.env must be applied before ray.serve is imported")
+    os.environ.update(serve_env())
+    if blocking_handles:
+        os.environ[_SEPARATE_ROUTER_LOOP] = "1"
+        import ray.serve  # noqa: F401  (reads its settings now)
+
+        del os.environ[_SEPARATE_ROUTER_LOOP]  # the Ray this process starts, and its replicas, run as serve.env says
+
+
+_SEPARATE_ROUTER_LOOP = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
+
+
+def without_serve_env() -> dict[str, str]:
+    """This process's environment without ``serve.env``'s Serve settings: how a cluster's nodes start (README "Running
+    on a cluster": Serve's own proxy on every node), for a process that starts one."""
+    return {key: value for key, value in os.environ.items() if key not in serve_env() or "OFFLINE" in key}
 
 
 def default_models() -> list[dict[str, Any]]:
@@ -69,8 +96,7 @@ def sim_model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
 @contextmanager
 def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
     """A fresh local Ray cluster started as ``serve run`` starts it (``serve.env``: HAProxy in front), with Serve's
-    HTTP port a free loopback one; yields its URL."""
-    os.environ.update(serve_env())
+    HTTP port a free loopback one; yields its URL. The process must have called ``use_serve_env`` first."""
     import ray
     from ray import serve
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from load.bench.serving import without_serve_env
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +25,7 @@ def test_cluster_bench_serves_one_and_two_nodes_with_vectors_matching_their_text
     run = subprocess.run(
         [sys.executable, "-m", "load.bench", "cluster", "--quick", "--nodes", "2", "--results-dir", str(tmp_path),
          "--upstream-base-latency-ms", "1", "--upstream-jitter", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=without_serve_env(),
     )
     assert run.returncode == 0, run.stderr[-4000:]
     assert (tmp_path / "cluster.md").exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from load.bench.serving import without_serve_env
 from tests.cluster.multinode_check import STEPS
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,7 @@ def test_two_nodes_place_serve_lose_a_node_and_scale_onto_free_cpu(tmp_path: Pat
     report_path = tmp_path / "report.json"
     run = subprocess.run(
         [sys.executable, "-m", "tests.cluster.multinode_check", "--report", str(report_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=without_serve_env(),
     )
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     assert run.returncode == 0, f"{report.get('failed', 'no report')}\n--- stderr (tail) ---\n{run.stderr[-4000:]}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +51,8 @@ def default_app_args() -> dict[str, Any]:
 
 
 def start_ray_and_serve(num_cpus: int = 2) -> Service:
-    """A new local Ray instance on loopback with a Serve HTTP proxy on a free loopback port (one per session)."""
-    # The replicas inherit this environment through the raylet: never reach for a model hub.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    """A new local Ray instance on loopback with a Serve HTTP proxy on a free loopback port (one per session), in the
+    environment of ``serve.env`` (tests/conftest.py applies it before anything imports Ray Serve)."""
     import ray
     from ray import serve
 

@@ -21,13 +21,14 @@ pytestmark = pytest.mark.integration
 APP = "simulated"
 PREFIX = "/simulated"
 MODEL = "sim-embedding-small"
-DIM = 384
+DIM = 1536  # text-embedding-3-small's width: answers of a thousand inputs pass 4 MiB
 POISON = "<refuse-me>"
 
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[RunningUpstream]:
-    config = UpstreamConfig(base_latency_ms=5.0, per_token_ms=0.0, jitter=0.0, max_concurrency=8, fail_marker=POISON)
+    config = UpstreamConfig(dim=DIM, base_latency_ms=5.0, per_token_ms=0.0, jitter=0.0, max_concurrency=8,
+                            fail_marker=POISON)
     with run_upstream(config) as running:
         yield running
 
@@ -69,6 +70,14 @@ def test_every_vector_belongs_to_its_input(simulated_app: Service) -> None:
     response = simulated_app.client(PREFIX).embeddings.create(model=MODEL, input=texts)
     assert all(matches(text, row, DIM) for text, row in zip(texts, vectors(response)))
     assert response.usage.prompt_tokens == sum(tokens.count(text) for text in texts)
+
+
+def test_an_answer_larger_than_grpcs_default_message_limit_arrives(simulated_app: Service) -> None:
+    # 1,024 vectors of 1,536 floats: 6.3 MB from the model replica to the ingress in one message, past the 4 MiB
+    # gRPC allows between replicas by default (the call failed with RESOURCE_EXHAUSTED: a 503).
+    texts = [f"page {i} of a long manual" for i in range(1024)]
+    response = simulated_app.client(PREFIX).embeddings.create(model=MODEL, input=texts)
+    assert all(matches(text, row, DIM) for text, row in zip(texts, vectors(response)))
 
 
 def test_token_ids_and_dimensions_are_passed_through(simulated_app: Service) -> None:
