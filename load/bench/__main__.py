@@ -59,7 +59,7 @@ WITHOUT_SERVE_ENV = {"cluster"}
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The others run Ray as `serve run` does; this must precede the scenarios' imports of Ray Serve.
-    if argv[:1] and argv[0] not in WITHOUT_SERVE_ENV and "ray.serve" not in sys.modules:
+    if argv[:1] and argv[0] not in WITHOUT_SERVE_ENV:
         use_serve_env()
     args = build_parser().parse_args(argv)
     args.run(args)
