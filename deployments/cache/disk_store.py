@@ -5,49 +5,81 @@ entries while the directory's volume is over it), with an optional expiry. The d
 this user only: it holds vectors of users' texts.
 
 Lookups are plain reads on the event loop (~2 ms for 256 keys in the page cache); one that waits for another
-process's lock longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss. Both
-choices keep concurrent lookups from queueing past the guard's timeout (README, "Cache": a bulk re-run with 16
-requests of 256 keys in flight):
+process's lock longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
+Writes, which run after the request was answered, go to a process of their own (``disk_writer.py`` says why),
+started with the first write and again after it ends. Choices that keep lookups quick (README, "Cache": a bulk
+re-run with 16 requests of 256 keys in flight):
 - eviction by store time, so a read never writes: under diskcache's LRU policy each read is a write transaction,
   and the lookups queued on SQLite's write lock (64% of the re-run's tokens billed again, 7% with reads only);
-- reads on the loop, not a worker thread, where each of a lookup's many SQLite calls gives up the GIL and must win
-  it back from the busy loop (31% billed).
-Writes, which run after the request was answered, stay on a thread of their own.
+- reads on the loop, not a worker thread, where each of a lookup's SQLite calls must win the GIL back from the busy
+  loop (31% billed).
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import diskcache
+from . import disk_writer
 
 
 class DiskStore:
     name = "disk"
 
-    def __init__(self, directory: str | Path, *, max_bytes: int, ttl_s: float | None, lock_timeout_s: float) -> None:
+    def __init__(self, directory: str | Path, *, max_bytes: int, ttl_s: float | None, lock_timeout_s: float,
+                 write_in_process: bool = True) -> None:
+        """``write_in_process=False`` writes on a thread of this process instead (tests, whose clock diskcache
+        reads)."""
         path = Path(directory).expanduser()
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._ttl_s = ttl_s
-        self._cache = diskcache.Cache(str(path), timeout=lock_timeout_s, size_limit=max_bytes,
-                                      eviction_policy="least-recently-stored")
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-cache-disk-write")
+        self._where = (str(path), lock_timeout_s, max_bytes)
+        self._cache = disk_writer.open_cache(*self._where)
+        self._write_in_process = write_in_process
+        self._writer: asyncio.subprocess.Process | None = None
+        self._one_at_a_time = asyncio.Lock()
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self._cache.get(key) for key in keys]  # plain reads, on the loop's own connection
 
     async def set_many(self, entries: Mapping[str, bytes]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._writer, self._set_now, dict(entries))
+        if not self._write_in_process:
+            await asyncio.to_thread(disk_writer.write, self._cache, entries, self._ttl_s)
+            return
+        # Shielded: a write given up on by its caller still finishes, so the next one reads its own answer.
+        await asyncio.shield(self._send(disk_writer.frame(entries, self._ttl_s)))
 
     async def aclose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._writer, self._cache.close)  # the writer's connection
-        self._writer.shutdown(wait=False)
-        self._cache.close()  # the loop's
+        async with self._one_at_a_time:
+            if self._writer is not None:
+                assert self._writer.stdin is not None
+                self._writer.stdin.close()
+                await self._writer.wait()
+                self._writer = None
+        self._cache.close()
 
-    def _set_now(self, entries: Mapping[str, bytes]) -> None:
-        with self._cache.transact():
-            for key, value in entries.items():
-                self._cache.set(key, value, expire=self._ttl_s)
+    async def _send(self, message: bytes) -> None:
+        async with self._one_at_a_time:
+            writer = await self._running_writer()
+            assert writer.stdin is not None and writer.stdout is not None
+            try:
+                writer.stdin.write(message)
+                await writer.stdin.drain()
+                answer = await writer.stdout.readline()
+            except (ConnectionError, BrokenPipeError):
+                answer = b""
+            if not answer:
+                self._writer = None
+                raise ConnectionError(f"the disk cache's writer process ended (exit status {writer.returncode})")
+        if answer != b"ok\n":
+            raise OSError(f"the disk cache's writer failed: {answer.decode(errors='replace').strip()}")
+
+    async def _running_writer(self) -> asyncio.subprocess.Process:
+        if self._writer is None or self._writer.returncode is not None:
+            directory, lock_timeout_s, max_bytes = self._where
+            self._writer = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", disk_writer.COMMAND, directory, str(lock_timeout_s), str(max_bytes),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        return self._writer

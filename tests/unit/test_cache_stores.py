@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -42,17 +43,14 @@ def value(i: int) -> bytes:
 
 
 async def test_the_disk_store_evicts_the_least_recently_stored_entries_past_its_byte_bound(
-        tmp_path: Path, clock: FakeClock) -> None:
+        tmp_path: Path) -> None:
     bound = 1024 * 1024
     store = DiskStore(tmp_path / "vectors", max_bytes=bound, ttl_s=None, lock_timeout_s=1.0)
-    try:
+    try:  # each write lands in the writer process before the next is sent, so store times follow this order
         for i in range(20):
-            clock.now += 1
             await store.set_many({f"k{i}": value(i)})
-        clock.now += 1
         assert await store.get_many(["k0"]) == [value(0)]  # a read does not keep an entry
         for i in range(20, 28):
-            clock.now += 1
             await store.set_many({f"k{i}": value(i)})
         found = await store.get_many([f"k{i}" for i in range(28)])
     finally:
@@ -66,7 +64,8 @@ async def test_the_disk_store_evicts_the_least_recently_stored_entries_past_its_
 
 
 async def test_disk_entries_expire_after_their_ttl(tmp_path: Path, clock: FakeClock) -> None:
-    store = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=60.0, lock_timeout_s=1.0)
+    store = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=60.0, lock_timeout_s=1.0,
+                      write_in_process=False)  # diskcache reads the test's clock in this process only
     try:
         await store.set_many({"key": b"vector"})
         clock.now += 59
@@ -87,6 +86,36 @@ async def test_the_disk_store_is_shared_by_the_processes_of_a_node(tmp_path: Pat
         await one.aclose()
         await other.aclose()
     assert stat.S_IMODE(os.stat(tmp_path / "vectors").st_mode) == 0o700  # users' vectors: this user only
+
+
+def writer_processes() -> list[int]:
+    """This process's children that are disk cache writers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"disk_writer" in command:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_writer_process_that_died_is_started_again_by_the_next_write(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=None, lock_timeout_s=1.0)
+    try:
+        await store.set_many({"before": b"vector"})
+        (writer,) = writer_processes()
+        os.kill(writer, signal.SIGKILL)
+        with pytest.raises(OSError):  # the write that finds it dead fails: the guard counts it as a lost write
+            await store.set_many({"lost": b"vector"})
+        await store.set_many({"after": b"vector"})
+        assert await store.get_many(["before", "lost", "after"]) == [b"vector", None, b"vector"]
+        assert len(writer_processes()) == 1
+    finally:
+        await store.aclose()
+    assert writer_processes() == []  # closing the store ends its writer
 
 
 def test_keys_are_hashes_that_differ_by_model_identity_size_and_input_encoding() -> None:
