@@ -93,6 +93,8 @@ class CacheConfig(_Section):
 
     store: Annotated[str, _one_of(CACHE_STORES)]  # disk: this node's replicas share a directory | redis: every node
     timeout_ms: Seconds = 50.0  # each store call; a slower one is a miss
+    # a LOW request's lookups: bulk work, for which a late hit costs far less than computing the input again
+    low_timeout_ms: Seconds = 500.0
     ttl_s: Seconds | None = None  # entries expire after; None: disk keeps them (bytes bound only), redis a week
     # disk only: the directory's bound (least recently stored entries go first)
     max_bytes: Annotated[int, _int_at_least(MIN_CACHE_BYTES, " (bytes)")] = 1024**3

@@ -22,7 +22,8 @@ def make_cache(model: ModelConfig, metrics: CacheMetrics | None = None) -> Embed
     metrics = metrics if metrics is not None else RayServeCacheMetrics()
     store = GuardedStore(make_store(model.cache, model.name), cache=model.name,
                          timeout_s=model.cache.timeout_ms / 1000.0, metrics=metrics)
-    return EmbeddingCache(store, name=model.name, backend_identity=vector_identity(model), metrics=metrics)
+    return EmbeddingCache(store, name=model.name, backend_identity=vector_identity(model), metrics=metrics,
+                          low_lookup_timeout_s=model.cache.low_timeout_ms / 1000.0)
 
 
 def make_store(config: CacheConfig, model_name: str) -> VectorStore:

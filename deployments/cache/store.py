@@ -53,13 +53,14 @@ class GuardedStore:
     def name(self) -> str:
         return self._store.name
 
-    async def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        """The keys the store holds, with their values; {} if it cannot say in time."""
+    async def get_many(self, keys: Sequence[str], timeout_s: float | None = None) -> dict[str, bytes]:
+        """The keys the store holds, with their values; {} if it cannot say within ``timeout_s`` (default: the
+        store's timeout)."""
         if not keys or self._cooling_down():
             return {}
         sent = asyncio.get_running_loop().time()
         try:
-            values = await asyncio.wait_for(self._store.get_many(keys), self._timeout_s)
+            values = await asyncio.wait_for(self._store.get_many(keys), timeout_s or self._timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
             self._failed("get", exc, cool_down=self._answered_at is None or self._answered_at < sent)
             return {}

@@ -105,10 +105,12 @@ class FakeModel:
 
 
 def make_cache(store: MemoryStore | None = None, metrics: RecordingMetrics | None = None, *,
-               identity: str = "fake-model v1", name: str = "fake") -> EmbeddingCache:
+               identity: str = "fake-model v1", name: str = "fake",
+               low_lookup_timeout_s: float | None = None) -> EmbeddingCache:
     metrics = metrics or RecordingMetrics()
     guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics)
-    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics)
+    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics,
+                          low_lookup_timeout_s=low_lookup_timeout_s)
 
 
 def held_model() -> FakeModel:

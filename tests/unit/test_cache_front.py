@@ -172,6 +172,21 @@ async def test_a_slow_store_costs_at_most_its_timeout() -> None:
     assert metrics.store_errors[("get", "timeout")] == 1
 
 
+async def test_a_low_request_waits_longer_for_the_store_than_a_high_one() -> None:
+    store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
+    cache = make_cache(store, metrics, low_lookup_timeout_s=0.5)
+    await embed(cache, model, "text")
+    await settle()
+    store.delay_s = 0.2  # past the store's 50 ms, within a LOW lookup's 500 ms
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    (found,) = await embed(cache, model, "text", priority=Priority.LOW)
+    assert loop.time() - started == pytest.approx(0.2)
+    (computed,) = await embed(cache, model, "text")  # HIGH: a miss after 50 ms, computed again
+    assert found.tobytes() == computed.tobytes() == vector("text").tobytes()
+    assert model.calls == [["text"], ["text"]] and metrics.store_errors == {("get", "timeout"): 1}
+
+
 async def test_a_read_answered_late_while_the_store_answers_others_does_not_keep_requests_off_it() -> None:
     store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
     cache = make_cache(store, metrics)
