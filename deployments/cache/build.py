@@ -10,7 +10,7 @@ from .disk_store import DiskStore
 from .front import EmbeddingCache, Uncached
 from .metrics import CacheMetrics, RayServeCacheMetrics
 from .redis_store import RedisStore
-from .store import GuardedStore, VectorStore
+from .store import WRITE_TIMEOUT_S, GuardedStore, VectorStore
 
 DEFAULT_DIRECTORY = Path("~/.cache/adaptive-embeddings/vectors")
 
@@ -37,7 +37,8 @@ def make_store(config: CacheConfig, model_name: str) -> VectorStore:
         raise ValueError(f"model {model_name!r}: the redis cache needs its URL in ${config.url_env} "
                          f"(or a file holding it named by ${config.url_env}_FILE)")
     return RedisStore(url, password=read_secret(config.password_env) or None,
-                      ttl_s=config.effective_ttl_s or DEFAULT_REDIS_TTL_S, timeout_s=timeout_s)
+                      ttl_s=config.effective_ttl_s or DEFAULT_REDIS_TTL_S,
+                      timeout_s=max(timeout_s, config.low_timeout_ms / 1000.0, WRITE_TIMEOUT_S))
 
 
 def vector_identity(model: ModelConfig) -> str:
