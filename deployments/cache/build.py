@@ -10,7 +10,7 @@ from .disk_store import DiskStore
 from .front import EmbeddingCache, Uncached
 from .metrics import CacheMetrics, RayServeCacheMetrics
 from .redis_store import RedisStore
-from .store import WRITE_TIMEOUT_S, GuardedStore, VectorStore
+from .store import GuardedStore, VectorStore, longest_call_s
 
 DEFAULT_DIRECTORY = Path("~/.cache/adaptive-embeddings/vectors")
 
@@ -21,9 +21,9 @@ def make_cache(model: ModelConfig, metrics: CacheMetrics | None = None) -> Embed
         return Uncached()
     metrics = metrics if metrics is not None else RayServeCacheMetrics()
     store = GuardedStore(make_store(model.cache, model.name), cache=model.name,
-                         timeout_s=model.cache.timeout_ms / 1000.0, metrics=metrics)
-    return EmbeddingCache(store, name=model.name, backend_identity=vector_identity(model), metrics=metrics,
-                          low_lookup_timeout_s=model.cache.low_timeout_ms / 1000.0)
+                         timeout_s=model.cache.timeout_ms / 1000.0,
+                         patient_timeout_s=model.cache.low_timeout_ms / 1000.0, metrics=metrics)
+    return EmbeddingCache(store, name=model.name, backend_identity=vector_identity(model), metrics=metrics)
 
 
 def make_store(config: CacheConfig, model_name: str) -> VectorStore:
@@ -38,7 +38,7 @@ def make_store(config: CacheConfig, model_name: str) -> VectorStore:
                          f"(or a file holding it named by ${config.url_env}_FILE)")
     return RedisStore(url, password=read_secret(config.password_env) or None,
                       ttl_s=config.effective_ttl_s or DEFAULT_REDIS_TTL_S,
-                      timeout_s=max(timeout_s, config.low_timeout_ms / 1000.0, WRITE_TIMEOUT_S))
+                      timeout_s=longest_call_s(timeout_s, config.low_timeout_ms / 1000.0))
 
 
 def vector_identity(model: ModelConfig) -> str:

@@ -68,7 +68,7 @@ class DiskStore:
                 writer.stdin.write(message)
                 await writer.stdin.drain()
                 answer = await writer.stdout.readline()
-            except (ConnectionError, BrokenPipeError):
+            except ConnectionError:  # a broken pipe or reset: it ended
                 answer = b""
             if not answer:
                 self._writer = None

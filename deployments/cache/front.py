@@ -8,7 +8,8 @@ one outcome per input, in order (a vector, or the exception that failed that inp
 - a computed vector is handed to the joiners at once and written to the store in the background (the flight stays
   joinable until the write lands, so no request computes it again meanwhile); only vectors are stored, never
   failures;
-- a store that fails or is slow costs a miss (``store.py``), never the request.
+- a store that fails or is slow costs a miss (``store.py``), never the request; a LOW request's lookup may take
+  longer than a HIGH one's (bulk work, which a late hit costs less than computing it again).
 Token counts are not stored: ``usage`` comes from ``Prepared.tokens``, counted for every request when it arrives.
 """
 
@@ -45,13 +46,8 @@ class Uncached:
 
 
 class EmbeddingCache:
-    def __init__(self, store: GuardedStore, *, name: str, backend_identity: str, metrics: CacheMetrics,
-                 low_lookup_timeout_s: float | None = None) -> None:
-        """``low_lookup_timeout_s``: how long a LOW request's lookup may take (default: the store's timeout). Under a
-        bulk flood the replica's busy event loop takes the store's answers late, and each late one is computed and
-        billed again."""
+    def __init__(self, store: GuardedStore, *, name: str, backend_identity: str, metrics: CacheMetrics) -> None:
         self._store = store
-        self._low_lookup_timeout_s = low_lookup_timeout_s
         self._name = name
         self._backend_identity = backend_identity
         self._metrics = metrics
@@ -67,8 +63,7 @@ class EmbeddingCache:
         request_keys = [keys.key(item.content) for item in prepared]
         inputs = dict(zip(request_keys, prepared))  # one entry per distinct input
         joined = {key: flight for key in inputs if (flight := self._flights.joinable(key, priority)) is not None}
-        patience = self._low_lookup_timeout_s if priority is Priority.LOW else None
-        hits = await self._look_up([key for key in inputs if key not in joined], patience)
+        hits = await self._look_up([key for key in inputs if key not in joined], patient=priority is Priority.LOW)
         found: dict[str, Outcome] = dict(hits)
         saved = list(hits)
         pending = [key for key in inputs if key not in joined and key not in found]
@@ -96,9 +91,9 @@ class EmbeddingCache:
             keys = self._keys[dimensions] = CacheKeys(self._name, self._backend_identity, dimensions)
         return keys
 
-    async def _look_up(self, keys: list[str], timeout_s: float | None) -> dict[str, np.ndarray]:
+    async def _look_up(self, keys: list[str], *, patient: bool) -> dict[str, np.ndarray]:
         vectors: dict[str, np.ndarray] = {}
-        for key, value in (await self._store.get_many(keys, timeout_s)).items():
+        for key, value in (await self._store.get_many(keys, patient=patient)).items():
             if value and len(value) % VECTOR_DTYPE.itemsize == 0:
                 vectors[key] = np.frombuffer(value, dtype=VECTOR_DTYPE)
             else:

@@ -26,9 +26,9 @@ class RedisStore:
     name = "redis"
 
     def __init__(self, url: str, *, password: str | None, ttl_s: float, timeout_s: float) -> None:
-        """``timeout_s``: the longest any call may take, a backstop behind the guard's own bound on each call (a
-        socket timeout as short as a HIGH lookup's cut the LOW lookups and the writes, which may take longer, short:
-        under a bulk flood they were computed and billed again)."""
+        """``timeout_s``: the client's own bound on a call, a backstop behind the guard's (``longest_call_s``: one
+        as short as a HIGH lookup's cut the LOW lookups and the writes short, and under a bulk flood they were
+        computed and billed again)."""
         self._client = redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
                                             socket_connect_timeout=timeout_s)
         self._ttl_ms = max(1, round(ttl_s * 1000))

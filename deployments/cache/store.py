@@ -40,11 +40,22 @@ class VectorStore(Protocol):
         """Release connections and threads."""
 
 
+def longest_call_s(timeout_s: float, patient_timeout_s: float | None = None) -> float:
+    """The longest the guard lets any store call take (a patient read, or a write): a store client's own timeout
+    must not be shorter, or it cuts those calls short behind the guard's back."""
+    return max(timeout_s, patient_timeout_s or 0.0, WRITE_TIMEOUT_S)
+
+
 class GuardedStore:
-    def __init__(self, store: VectorStore, *, cache: str, timeout_s: float, metrics: CacheMetrics) -> None:
+    def __init__(self, store: VectorStore, *, cache: str, timeout_s: float, metrics: CacheMetrics,
+                 patient_timeout_s: float | None = None) -> None:
+        """``timeout_s`` bounds a read, ``patient_timeout_s`` (default: the same) a patient one: a bulk request's,
+        whose lookups a replica busy with the bulk flood answers late, and each late one is computed and billed
+        again."""
         self._store = store
         self._cache = cache
         self._timeout_s = timeout_s
+        self._patient_timeout_s = patient_timeout_s or timeout_s
         self._metrics = metrics
         self._failing_until: float | None = None  # loop time; None while the store answers
         self._answered_at: float | None = None  # loop time of the last call the store answered
@@ -53,14 +64,14 @@ class GuardedStore:
     def name(self) -> str:
         return self._store.name
 
-    async def get_many(self, keys: Sequence[str], timeout_s: float | None = None) -> dict[str, bytes]:
-        """The keys the store holds, with their values; {} if it cannot say within ``timeout_s`` (default: the
-        store's timeout)."""
+    async def get_many(self, keys: Sequence[str], *, patient: bool = False) -> dict[str, bytes]:
+        """The keys the store holds, with their values; {} if it cannot say in time."""
         if not keys or self._cooling_down():
             return {}
         sent = asyncio.get_running_loop().time()
+        timeout_s = self._patient_timeout_s if patient else self._timeout_s
         try:
-            values = await asyncio.wait_for(self._store.get_many(keys), timeout_s or self._timeout_s)
+            values = await asyncio.wait_for(self._store.get_many(keys), timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
             self._failed("get", exc, cool_down=self._answered_at is None or self._answered_at < sent)
             return {}
@@ -73,7 +84,7 @@ class GuardedStore:
         if not entries:  # a write is tried even while reads cool down: it costs no request, and a slow store keeps it
             return
         try:
-            await asyncio.wait_for(self._store.set_many(entries), max(self._timeout_s, WRITE_TIMEOUT_S))
+            await asyncio.wait_for(self._store.set_many(entries), longest_call_s(self._timeout_s))
         except Exception as exc:  # noqa: BLE001 - a lost write costs a later miss, nothing more
             self._failed("set", exc, cool_down=False)
             return

@@ -106,11 +106,11 @@ class FakeModel:
 
 def make_cache(store: MemoryStore | None = None, metrics: RecordingMetrics | None = None, *,
                identity: str = "fake-model v1", name: str = "fake",
-               low_lookup_timeout_s: float | None = None) -> EmbeddingCache:
+               patient_timeout_s: float | None = None) -> EmbeddingCache:
     metrics = metrics or RecordingMetrics()
-    guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics)
-    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics,
-                          low_lookup_timeout_s=low_lookup_timeout_s)
+    guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics,
+                           patient_timeout_s=patient_timeout_s)
+    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics)
 
 
 def held_model() -> FakeModel:

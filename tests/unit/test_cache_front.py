@@ -174,7 +174,7 @@ async def test_a_slow_store_costs_at_most_its_timeout() -> None:
 
 async def test_a_low_request_waits_longer_for_the_store_than_a_high_one() -> None:
     store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()
-    cache = make_cache(store, metrics, low_lookup_timeout_s=0.5)
+    cache = make_cache(store, metrics, patient_timeout_s=0.5)
     await embed(cache, model, "text")
     await settle()
     store.delay_s = 0.2  # past the store's 50 ms, within a LOW lookup's 500 ms
