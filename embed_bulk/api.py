@@ -16,6 +16,7 @@ from typing import Any
 import httpx2
 import numpy as np
 import openai
+import orjson
 
 from deployments.backends.embeddings_body import decode_embeddings
 from embed_bulk.documents import DocId, Document
@@ -112,11 +113,12 @@ class EmbeddingsClient:
     async def _create(self, documents: Sequence[Document]) -> Any:
         """The decoded JSON body of one embeddings call: sent with the SDK's retries and errors, read by hand. The
         SDK's `embeddings.create` builds a model object per embedding and walks the input list to transform it:
-        a quarter of embed-bulk's CPU on a cached re-run, where the service answers 256 rows in ~100 ms (py-spy)."""
+        a quarter of embed-bulk's CPU on a cached re-run, where the service answers 256 rows in ~100 ms (py-spy).
+        orjson reads a body of 256 base64 rows in 0.17 ms, json in 0.85 ms."""
         response = await self._client.post(
             "/embeddings", body={"input": [doc.text for doc in documents], **self._options}, cast_to=httpx2.Response
         )
-        return response.json()
+        return orjson.loads(await response.aread())
 
 
 def _failures(pending: list[Document], error: openai.APIStatusError | openai.APIConnectionError) -> list[Failure]:

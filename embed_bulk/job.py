@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -46,17 +47,21 @@ class Summary:
 
 
 class Recorder:
-    """Saves each finished batch durably, lists failures in `<out>.failures.jsonl`, and moves the progress bar."""
+    """Saves each finished batch durably, lists failures in `<out>.failures.jsonl`, and moves the progress bar.
+    Saving runs on `saving`, one thread: its writes and fsyncs block, and on a cached re-run they held the event loop
+    a tenth of the time; one thread keeps the batches in the order they finished."""
 
-    def __init__(self, store: EmbeddingStore, settings: BulkSettings, summary: Summary, progress: tqdm) -> None:
+    def __init__(self, store: EmbeddingStore, saving: ThreadPoolExecutor, settings: BulkSettings, summary: Summary,
+                 progress: tqdm) -> None:
         self._store = store
+        self._saving = saving
         self._failures_path = settings.failures_path
         self._summary = summary
         self._progress = progress
 
-    def record(self, outcome: BatchOutcome) -> None:
+    async def record(self, outcome: BatchOutcome) -> None:
         if outcome.embedded:
-            self._store.append(outcome.embedded)
+            await asyncio.get_running_loop().run_in_executor(self._saving, self._store.append, outcome.embedded)
             self._summary.embedded += len(outcome.embedded)
         if outcome.failed:
             self._write_failures(outcome.failed)
@@ -91,7 +96,7 @@ class BulkJob:
         settings, summary = self.settings, self.summary
         self._started = time.monotonic()
         input_ids = unique_ids(self._documents())
-        store = open_store(settings)
+        store = open_store(settings, input_ids)
         done = store.recover()
         if store.dropped_bytes:
             print(
@@ -105,10 +110,10 @@ class BulkJob:
         try:
             upstream_before = await self._upstream_calls()
             async with make_openai_client(settings, summary.calls, self._transport) as client:
-                with self._progress_bar(summary) as progress:
-                    await self._embed_all(client, Recorder(store, settings, summary, progress), done)
+                with self._progress_bar(summary) as progress, ThreadPoolExecutor(1, "embed-bulk-save") as saving:
+                    await self._embed_all(client, Recorder(store, saving, settings, summary, progress), done)
             summary.upstream_calls = _difference(await self._upstream_calls(), upstream_before)
-            store.finish(input_ids)
+            store.finish()
         except (asyncio.CancelledError, KeyboardInterrupt):
             summary.interrupted = True
             raise
@@ -200,7 +205,7 @@ async def _work(batches: Iterator[list[Document]], pacer: Pacer, client: Embeddi
             await pacer.wait_turn(len(sendable))
         outcome = await client.embed(sendable) if sendable else BatchOutcome()
         outcome.failed.extend(Failure(doc.id, doc.problem) for doc in batch if doc.problem is not None)
-        recorder.record(outcome)
+        await recorder.record(outcome)
 
 
 def _difference(after: int | None, before: int | None) -> int | None:

@@ -3,7 +3,7 @@ read, as JSON rather than through the SDK's model objects (one per embedding: mo
 
 from __future__ import annotations
 
-import base64
+import binascii
 from typing import Any
 
 import numpy as np
@@ -15,14 +15,19 @@ def decode_embeddings(body: Any, count: int) -> np.ndarray:
     data = sorted(body["data"], key=lambda item: item["index"])
     if [item["index"] for item in data] != list(range(count)):
         raise ValueError(f"expected embeddings for indexes 0..{count - 1}, got {len(data)} items")
-    vectors = [_vector(item) for item in data]
+    embeddings = [item["embedding"] for item in data]
+    if embeddings and all(isinstance(embedding, str) for embedding in embeddings):  # base64: decoded as one buffer
+        rows = [binascii.a2b_base64(embedding) for embedding in embeddings]
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError("embeddings of different widths in one response")
+        return np.frombuffer(b"".join(rows), dtype="<f4").reshape(count, -1)
+    vectors = [_vector(embedding) for embedding in embeddings]
     if len({vector.shape for vector in vectors}) != 1:
         raise ValueError("embeddings of different widths in one response")
     return np.stack(vectors)
 
 
-def _vector(item: dict[str, Any]) -> np.ndarray:
-    embedding: str | list[float] = item["embedding"]
-    if isinstance(embedding, str):  # encoding_format="base64": little-endian float32
-        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+def _vector(embedding: str | list[float]) -> np.ndarray:
+    if isinstance(embedding, str):
+        return np.frombuffer(binascii.a2b_base64(embedding), dtype="<f4")
     return np.asarray(embedding, dtype=np.float32)

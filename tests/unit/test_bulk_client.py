@@ -311,6 +311,21 @@ async def test_a_finished_npy_run_rerun_sends_nothing(tmp_path: Path) -> None:
     assert (tmp_path / "out.npy").read_bytes() == before
 
 
+async def test_documents_added_to_a_finished_npy_input_are_embedded_alone_and_join_it_in_order(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(12))
+    config = settings(tmp_path, "out.npy", batch_size=5)
+    await run(config, FakeEmbeddingsAPI())
+    ids = write_jsonl(tmp_path / "docs.jsonl", texts(20))
+
+    grown = FakeEmbeddingsAPI()
+    summary = await run(config, grown)
+
+    assert sorted(grown.inputs) == sorted(texts(20)[12:]) and (summary.skipped, summary.embedded) == (12, 8)
+    assert (tmp_path / "out.npy.ids.jsonl").read_text().split() == [json.dumps(doc_id) for doc_id in ids]
+    assert np.array_equal(np.load(tmp_path / "out.npy"), np.stack([vector_of(text) for text in texts(20)]))
+    assert not (tmp_path / "out.npy.partial.jsonl").exists() and not (tmp_path / "out.npy.draft").exists()
+
+
 async def test_a_bad_document_fails_alone_is_listed_and_retried_by_the_next_run(tmp_path: Path) -> None:
     docs = texts(20)
     docs[3] += f" {POISON}"
@@ -327,7 +342,10 @@ async def test_a_bad_document_fails_alone_is_listed_and_retried_by_the_next_run(
     assert all("rejected this input" in row["error"] for row in listed)
     kept = [doc_id for doc_id in ids if doc_id not in ("doc-3", "doc-7")]
     assert (tmp_path / "out.npy.ids.jsonl").read_text().split() == [json.dumps(doc_id) for doc_id in kept]
+    kept_texts = [text for i, text in enumerate(texts(20)) if i not in (3, 7)]
+    assert np.array_equal(np.load(tmp_path / "out.npy"), np.stack([vector_of(text) for text in kept_texts]))
     assert (tmp_path / "out.npy.partial.jsonl").exists(), "the work log stays while rows are missing"
+    assert not (tmp_path / "out.npy.draft").exists()
 
     write_jsonl(tmp_path / "docs.jsonl", texts(20))  # the documents are fixed
     fixed = FakeEmbeddingsAPI()
