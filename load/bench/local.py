@@ -4,14 +4,21 @@ Two copies of the application from ``serve_config.yaml`` run side by side on one
 replica: ``batched`` with the configured batching, ``unbatched`` with ``max_batch_size`` 1 and no wait (every
 request is one model call). At each concurrency the two run one after the other, in a rotating order, repeated;
 the table shows medians. Target: at concurrency 64, batched ≥ 3× the unbatched texts/s.
+
+Before the service is loaded, the model alone: the milliseconds per text of its engine in this process, on one
+thread (what each replica here computes on), over the same texts at batch sizes from 1 to the configured maximum.
+Their ratio is what batching can gain at the model itself; the rest of a gain through the service is the request
+path's cost, paid once a batch instead of once a text.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
+import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from load.stats import median_of
 from load.workload import pseudo_sentences
@@ -28,13 +35,17 @@ class Settings:
     levels: tuple[tuple[int, int], ...] = ((1, 64), (16, 384), (64, 768))  # (concurrency, requests)
     repeats: int = 2
     mean_chars: int = 120
+    model_batch_sizes: tuple[int, ...] = (1, 4, 16, 64)  # single texts, and the batches compared with them
+    model_texts: int = 512  # texts timed at each batch size (at least 4 calls)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError("local: --repeats must be >= 1")
+        if 1 not in self.model_batch_sizes:
+            raise ValueError("local: the model alone is timed on single texts too (batch size 1)")
 
 
-QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1)
+QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1, model_batch_sizes=(1, 4), model_texts=8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +65,7 @@ def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str
     model = default_models()[0]
     name = model["name"]
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
+    alone = model_alone(model, texts, settings.model_batch_sizes, settings.model_texts)
     apps = {"batched": build_app({"models": [one_replica(model)]}),
             "unbatched": build_app({"models": [one_replica(model, **UNBATCHED)]})}
     with deployed(proxy, apps, name) as targets:
@@ -63,13 +75,37 @@ def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str
     data = {
         "settings": asdict(settings),
         "model": model,
+        "model_alone_ms_per_text": alone,
         "rows": rows,
         "target": {"speedup_at_64": speedup, "needed": TARGET_SPEEDUP_AT_64,
                    "met": speedup is not None and speedup >= TARGET_SPEEDUP_AT_64},
         "runs": runs,
     }
-    return write_report("local", "Local MiniLM through the full service", render(settings, model, rows, data["target"]),
-                        data, results_dir)
+    return write_report("local", "Local MiniLM through the full service",
+                        render(settings, model, alone, rows, data["target"]), data, results_dir)
+
+
+def model_alone(model: dict[str, Any], texts: Sequence[str], batch_sizes: Sequence[int], count: int) -> dict[str, float]:
+    """Batch size -> median milliseconds per text of the model's engine alone, on one thread, over ``texts``."""
+    from deployments.backends import make_backend
+    from deployments.backends.engines import embed_sequences
+    from deployments.config import ModelConfig
+
+    backend = make_backend(ModelConfig(**{**one_replica(model), "threads": 1}))
+    try:
+        sequences = backend.wordpieces.encode_many(texts)
+        alone = {}
+        for size in batch_sizes:
+            per_text = []
+            for call in range(max(4, count // size)):
+                start = call * size % max(1, len(sequences) - size)
+                began = time.perf_counter()
+                embed_sequences(backend.engine, sequences[start : start + size], backend.wordpieces.pad_id)
+                per_text.append((time.perf_counter() - began) * 1000 / size)
+            alone[str(size)] = statistics.median(per_text)
+        return alone
+    finally:
+        asyncio.run(backend.aclose())
 
 
 def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
@@ -85,7 +121,8 @@ def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dic
     return rows
 
 
-def render(settings: Settings, model: dict[str, Any], rows: dict[str, dict[str, Any]], target: dict[str, Any]) -> str:
+def render(settings: Settings, model: dict[str, Any], alone: dict[str, float], rows: dict[str, dict[str, Any]],
+           target: dict[str, Any]) -> str:
     def fmt(value: float | None, digits: int = 1) -> str:
         return "—" if value is None else f"{value:.{digits}f}"
 
@@ -98,12 +135,21 @@ def render(settings: Settings, model: dict[str, Any], rows: dict[str, dict[str, 
          for c, r in rows.items()],
     )
     verdict = "met" if target["met"] else "**not met**"
+    best = min(alone, key=alone.__getitem__)
+    alone_table = markdown_table(["batch size", *alone], [["ms per text", *(fmt(ms, 2) for ms in alone.values())]])
     return f"""\
 Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per level: \
 {", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} interleaved repeat(s), medians.
 Model `{model['name']}` (backend `{model['backend']}`), one replica each; batched settings: `{model.get('batching')}`.
 
 {table}
+
+The model alone (its engine in this process, one thread, the same texts, before the service was loaded):
+
+{alone_table}
+
+Batching makes the model itself at most {fmt(alone["1"] / alone[best], 2)}× faster per text here (batches of \
+{best} against single texts); what a batched service gains beyond that is the request path's cost per text.
 
 Target: at concurrency 64, batched ≥ {TARGET_SPEEDUP_AT_64:g}× unbatched texts/s: {verdict} \
 ({fmt(target['speedup_at_64'], 2)}×).

@@ -26,6 +26,7 @@ def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(ser
 def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
     data = local.measure(serve_instance.url, local.QUICK, tmp_path)
     assert (tmp_path / "local.md").exists()
+    assert set(data["model_alone_ms_per_text"]) == {"1", "4"} and min(data["model_alone_ms_per_text"].values()) > 0
     for row in data["rows"].values():
         assert row["errors"] == 0
         assert row["batched"]["items_per_s"] > 0 and row["unbatched"]["items_per_s"] > 0
