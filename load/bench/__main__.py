@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The others run Ray as `serve run` does; this must precede the scenarios' imports of Ray Serve.
     if argv[:1] and argv[0] not in WITHOUT_SERVE_ENV:
-        use_serve_env()
+        use_serve_env(blocking_handles=True)
     args = build_parser().parse_args(argv)
     args.run(args)
     return 0

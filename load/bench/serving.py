@@ -37,8 +37,10 @@ def use_serve_env(blocking_handles: bool = False) -> None:
     it once, when it is imported, and a handle made in this process (every application deployed from it) is bound
     then to the transport it names (gRPC between replicas, with the preset), so it must come before that import.
 
-    ``blocking_handles``: this process calls handles outside an event loop (``.result()``), which the preset's
-    router on the caller's loop cannot serve, so here (only: not in the replicas) the router gets a loop of its own."""
+    ``blocking_handles``: this process calls handles outside an event loop (``.result()``), or from loops that end
+    before Serve shuts down (a scenario's ``asyncio.run``, after which ``serve.shutdown`` found its handles' router
+    on a closed loop and raised), which the preset's router on the caller's loop cannot serve, so here (only: not in
+    the replicas) the router gets a loop of its own."""
     env = serve_env()
     if "ray.serve" in sys.modules:
         if all(os.environ.get(key) == value for key, value in env.items()):
