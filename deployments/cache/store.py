@@ -56,6 +56,7 @@ class GuardedStore:
         self._cache = cache
         self._timeout_s = timeout_s
         self._patient_timeout_s = patient_timeout_s or timeout_s
+        self._write_timeout_s = longest_call_s(timeout_s, patient_timeout_s)  # the bound a store's client must allow
         self._metrics = metrics
         self._failing_until: float | None = None  # loop time; None while the store answers
         self._answered_at: float | None = None  # loop time of the last call the store answered
@@ -84,7 +85,7 @@ class GuardedStore:
         if not entries:  # a write is tried even while reads cool down: it costs no request, and a slow store keeps it
             return
         try:
-            await asyncio.wait_for(self._store.set_many(entries), longest_call_s(self._timeout_s))
+            await asyncio.wait_for(self._store.set_many(entries), self._write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a lost write costs a later miss, nothing more
             self._failed("set", exc, cool_down=False)
             return
