@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Hashable, Sequence, TypeVar
@@ -25,13 +24,13 @@ from typing import Hashable, Sequence, TypeVar
 import numpy as np
 
 from .. import tokens
+from ..cpu_priority import lowest_cpu_priority
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared
 from .engines import default_threads, embed_sequences, make_engine
 from .model_dir import ModelDir, packaged_model_path
 from .wordpieces import BoundedTokenizer
 
 T = TypeVar("T")
-LOWEST_PRIORITY = 19
 
 
 class LocalBackend(EmbeddingBackend):
@@ -52,7 +51,7 @@ class LocalBackend(EmbeddingBackend):
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed",
-                                                initializer=_lowest_cpu_priority)
+                                                initializer=lowest_cpu_priority)
         # Built on the model's thread, so the engine's own threads inherit its priority.
         self.engine = self._model_thread.submit(
             make_engine, engine, self.model, threads=self.threads, onnx_cache_dir=onnx_cache_dir,
@@ -108,11 +107,6 @@ class LocalBackend(EmbeddingBackend):
 
     def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id))
-
-
-def _lowest_cpu_priority() -> None:
-    """Nice 19 for the calling thread (Linux keeps a nice value per thread; threads it starts inherit it)."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
 
 def _fill(outcomes: list[T | None], results: Sequence[T]) -> list[T]:

@@ -4,8 +4,9 @@ Process-safe (SQLite's locking), bounded in bytes (``size_limit``: every write e
 entries while the directory's volume is over it), with an optional expiry. The directory is created readable by
 this user only: it holds vectors of users' texts.
 
-Lookups are plain reads on the event loop (~2 ms for 256 keys in the page cache); one that waits for another
-process's lock longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
+Lookups are plain reads on the event loop, one query a lookup (``read_many``: ~1 ms for 256 keys in the page cache,
+against ~2.3 ms for diskcache's one query a key); one that waits for another process's lock longer than
+``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
 Writes, which run after the request was answered, go to a process of their own (``disk_writer.py`` says why),
 started with the first write and again after it ends. Choices that keep lookups quick (README, "Cache": a bulk
 re-run with 16 requests of 256 keys in flight):
@@ -22,7 +23,13 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import diskcache
+
 from . import disk_writer
+
+READ_CHUNK = 500  # keys a query: under SQLite's bound on a statement's parameters (999 before SQLite 3.32)
+_SELECT_LIVE = ("SELECT key, mode, filename, value FROM Cache WHERE raw = 1"
+                " AND (expire_time IS NULL OR expire_time > ?) AND key IN ({})")
 
 
 class DiskStore:
@@ -42,7 +49,7 @@ class DiskStore:
         self._one_at_a_time = asyncio.Lock()
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self._cache.get(key) for key in keys]  # plain reads, on the loop's own connection
+        return read_many(self._cache, keys)  # plain reads, on the loop's own connection
 
     async def set_many(self, entries: Mapping[str, bytes]) -> None:
         if not self._write_in_process:
@@ -83,3 +90,20 @@ class DiskStore:
                 sys.executable, "-c", disk_writer.COMMAND, directory, str(lock_timeout_s), str(max_bytes),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         return self._writer
+
+
+def read_many(cache: diskcache.Cache, keys: Sequence[str]) -> list[bytes | None]:
+    """``[cache.get(key) for key in keys]`` in one query a chunk of keys: the same rows (diskcache 5's table, str keys
+    stored raw, unexpired), read as ``get`` reads them, under a policy whose reads write nothing and with statistics
+    off, as ``disk_writer.open_cache`` opens it."""
+    found: dict[str, bytes] = {}
+    now = diskcache.core.time.time()  # the clock diskcache stamped the expiry times with
+    for start in range(0, len(keys), READ_CHUNK):
+        chunk = keys[start:start + READ_CHUNK]
+        for key, mode, filename, value in cache._sql(_SELECT_LIVE.format(",".join("?" * len(chunk))),
+                                                     (now, *chunk)).fetchall():
+            try:
+                found[key] = cache._disk.fetch(mode, filename, value, False)
+            except OSError:  # its file went between the query and the read (evicted): a miss, as get has it
+                pass
+    return [found.get(key) for key in keys]

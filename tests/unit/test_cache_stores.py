@@ -42,6 +42,11 @@ def value(i: int) -> bytes:
     return bytes([i % 256]) * ENTRY
 
 
+def vector(i: int) -> bytes:
+    """The size of a 384-float vector: stored in its SQLite row."""
+    return bytes([i % 256]) * 1536
+
+
 async def test_the_disk_store_evicts_the_least_recently_stored_entries_past_its_byte_bound(
         tmp_path: Path) -> None:
     bound = 1024 * 1024
@@ -74,6 +79,26 @@ async def test_disk_entries_expire_after_their_ttl(tmp_path: Path, clock: FakeCl
         assert await store.get_many(["key"]) == [None]
     finally:
         await store.aclose()
+
+
+async def test_a_disk_lookup_reads_what_diskcache_reads_key_by_key(tmp_path: Path, clock: FakeClock) -> None:
+    store = DiskStore(tmp_path / "vectors", max_bytes=64 * 1024 * 1024, ttl_s=None, lock_timeout_s=1.0,
+                      write_in_process=False)
+    keys = [f"emb:{i}" for i in range(1_200)]  # more than one query's worth of keys
+    try:
+        await store.set_many({key: vector(i) for i, key in enumerate(keys) if i % 3})  # in SQLite's rows
+        await store.set_many({"large": value(7)})  # in a file of its own
+        with diskcache.Cache(str(tmp_path / "vectors")) as cache:
+            cache.set("expiring", b"vector", expire=10)
+        clock.now += 11
+        asked = ["large", "expiring", "absent", *reversed(keys), keys[1]]
+        found = await store.get_many(asked)
+        with diskcache.Cache(str(tmp_path / "vectors")) as cache:
+            assert found == [cache.get(key) for key in asked]
+    finally:
+        await store.aclose()
+    assert found[:3] == [value(7), None, None]
+    assert found[-1] == vector(1) and sum(entry is not None for entry in found) == 1 + 800 + 1
 
 
 async def test_the_disk_store_is_shared_by_the_processes_of_a_node(tmp_path: Path) -> None:
