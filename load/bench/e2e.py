@@ -1,6 +1,8 @@
 """Over HTTP through Ray Serve (ingress → model deployment → simulated upstream): this batcher vs ``@serve.batch``.
 
-Three copies of the application run side by side on one Ray cluster, each with one model replica of the ``openai``
+Three copies of the application run side by side in one ``serve run`` (``serve.env``, as the README's run command
+starts the service; the load comes from this process, which is not part of the Ray cluster), each with one model
+replica of the ``openai``
 backend pointed at the simulated upstream (its own process): ``adaptive`` (``AdaptiveBatcher``, max_batch 200,
 max_wait 25 ms, scale_factor 15), ``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items
 or 25 ms), and ``unbatched`` (``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import signal
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
@@ -28,6 +33,7 @@ from ray import serve
 from deployments.backends import make_backend
 from deployments.config import ModelConfig
 from load.loadgen import check, closed_loop
+from load.peers.launch import DEFAULT_PEERS_DIR, Server, running
 from load.stats import median_of
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
@@ -36,9 +42,9 @@ from load.workload import pseudo_sentences
 from .harness import add_common_arguments
 from .options import chosen_settings
 from .report import markdown_table, write_report
-from .serving import (
-    SIM_BATCHING, SIM_MODEL, UNBATCHED, compare_over_http, deployed, run_with_upstream_and_service, sim_model_entry,
-)
+from .serving import SIM_BATCHING, SIM_MODEL, UNBATCHED, Target, compare_over_http, sim_model_entry, upstream_totals
+from .shipped_service import packaged_model_path, serve_run
+from .upstream_process import upstream_config_from, upstream_process
 
 TARGET_ADDED_MS = 2.0
 TARGET_GAIN_OVER_DIRECT = 4.0
@@ -73,7 +79,8 @@ class ServeBatchedModel:
 
 @dataclass(frozen=True)
 class Settings:
-    levels: tuple[tuple[int, int], ...] = ((1, 100), (16, 800), (64, 1600))  # (concurrency, requests)
+    # (concurrency, requests); 300 at c1, whose P50 the upstream's jitter moves by ~1.7 ms over 100 requests
+    levels: tuple[tuple[int, int], ...] = ((1, 300), (16, 800), (64, 1600))
     repeats: int = 2
     mean_chars: int = 120
 
@@ -90,31 +97,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return run_with_upstream_and_service(args, measure, chosen_settings(args, Settings(), QUICK))
+    settings = chosen_settings(args, Settings(), QUICK)
+    upstream = upstream_config_from(args)
+    with upstream_process(upstream) as root_url, \
+            running(gateway(f"{root_url}/v1"), DEFAULT_PEERS_DIR, packaged_model_path()) as url:
+        return measure(url, root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
-def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
-            results_dir: Any = None) -> dict[str, Any]:
-    """The scenario on a running Serve instance (HTTP proxy at ``proxy``) and upstream (at ``root_url``)."""
-    from deployments.app import bind_ingress, build_app
+def applications(base_url: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each variant, by route prefix: the import path of its application builder and the builder's args, as a Serve
+    config file names them."""
+    return {
+        "adaptive": ("deployments.app:build_app", {"models": [sim_model_entry(base_url)]}),
+        "serve-batch": ("load.bench.e2e:serve_batch_app", {"models": [sim_model_entry(base_url)]}),
+        "unbatched": ("deployments.app:build_app", {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
+    }
+
+
+def built_applications(base_url: str) -> dict[str, Any]:
+    """The variants built in this process (to deploy them on a running Serve instance, as the tests do)."""
+    def build(import_path: str, args: dict[str, Any]) -> Any:
+        module, _, builder = import_path.partition(":")
+        return getattr(importlib.import_module(module), builder)(args)
+
+    return {label: build(*variant) for label, variant in applications(base_url).items()}
+
+
+def serve_batch_app(args: dict[str, Any]) -> Any:
+    """The application with its model behind ``@serve.batch`` (``ServeBatchedModel``); ``args`` as ``build_app``'s."""
+    from deployments.app import bind_ingress
     from deployments.config import parse_app_config
     from deployments.sizing import model_deployment_options
 
+    config = parse_app_config(args)
+    (model,) = config.models
+    return bind_ingress(config, {model.name: ServeBatchedModel.options(**model_deployment_options(model)).bind(model)})
+
+
+def gateway(base_url: str) -> Server:
+    """The three variants in one ``serve run``, their model on the upstream at ``base_url``."""
+    config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8000},
+              "applications": [{"name": label, "route_prefix": f"/{label}", "import_path": import_path, "args": args}
+                               for label, (import_path, args) in applications(base_url).items()]}
+    return Server("e2e-service", serve_run(config, "e2e"), SIM_BATCHING, route="/adaptive/v1/embeddings",
+                  health="/adaptive/healthz", stop_signal=signal.SIGINT, model=SIM_MODEL)
+
+
+def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
+            results_dir: Any = None) -> dict[str, Any]:
+    """The scenario on the variants served under ``url`` (``/<label>`` each) and the upstream at ``root_url``. A
+    variant's mean batch is the texts per upstream call during its runs (the variants take turns)."""
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
-    base_url = f"{root_url}/v1"
-    serve_batch_config = parse_app_config({"models": [sim_model_entry(base_url)]})
-    (serve_batch_model,) = serve_batch_config.models
-    apps = {
-        "adaptive": build_app({"models": [sim_model_entry(base_url)]}),
-        "serve-batch": bind_ingress(serve_batch_config, {SIM_MODEL: ServeBatchedModel.options(
-            **model_deployment_options(serve_batch_model)).bind(serve_batch_model)}),
-        "unbatched": build_app({"models": [sim_model_entry(base_url, **UNBATCHED)]}),
-    }
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
-    with deployed(proxy, apps, SIM_MODEL) as targets:
-        runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats,
-                                             upstream.dim))
+    targets = [Target(label, f"{url}/{label}", partial(upstream_totals, root_url)) for label in applications("")]
+    runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim))
     rows = summarise(runs)
     for concurrency, summary in direct.items():
         rows[str(concurrency)]["direct"] = {"items_per_s": summary["items_per_s"], "p50_ms": summary["p50_ms"],
@@ -182,8 +219,8 @@ Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per l
 Upstream in its own process: base {upstream.base_latency_ms:g} ms + {upstream.per_token_ms:g} ms/token, jitter \
 {upstream.jitter:g}, provider concurrency {upstream.max_concurrency}. The upstream alone (one caller, one text per \
 call): P50 {fmt(direct[settings.levels[0][0]]['p50_ms'])} ms. `direct`: as many clients calling the upstream \
-themselves, one text per call. `mean batch` is what the adaptive batcher formed (`@serve.batch` has no such counter). \
-The service runs as `serve run` starts it (`serve.env`: HAProxy in front).
+themselves, one text per call. `mean batch`: texts per upstream call during the variant's runs. \
+The three variants run in one `serve run` with `serve.env` (HAProxy in front), the load from a separate process.
 
 {table}
 

@@ -10,8 +10,9 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 import yaml
 
@@ -133,7 +134,8 @@ def deployed(proxy_url: str, apps: Mapping[str, Any], model: str) -> Iterator[li
     try:
         for label, app in apps.items():
             serve.run(app, name=label, route_prefix=f"/{label}")
-        yield [Target(label, f"{proxy_url}/{label}", serve.get_deployment_handle(f"embed-{model}", app_name=label))
+        yield [Target(label, f"{proxy_url}/{label}",
+                      partial(_batch_totals, serve.get_deployment_handle(f"embed-{model}", app_name=label)))
                for label in apps]
     finally:
         for label in apps:
@@ -142,11 +144,11 @@ def deployed(proxy_url: str, apps: Mapping[str, Any], model: str) -> Iterator[li
 
 @dataclass(frozen=True)
 class Target:
-    """One deployed variant of the service: its URL prefix and a handle to its model deployment (for batch stats)."""
+    """One deployed variant of the service: its URL prefix, and how many batches and items it has sent so far."""
 
     label: str
     url: str
-    model_handle: Any
+    batch_totals: Callable[[], Awaitable[tuple[int, int]]]
 
 
 async def compare_over_http(
@@ -166,9 +168,9 @@ async def compare_over_http(
                 for target in rotated(list(targets), repeat + concurrency):
                     client = clients[target.label]
 
-                    before = await _batch_totals(target.model_handle)
+                    before = await target.batch_totals()
                     result = await closed_loop(client.embed_one, texts[:count], concurrency)
-                    after = await _batch_totals(target.model_handle)
+                    after = await target.batch_totals()
                     if check_dim is not None:
                         check(result, texts[:count], check_dim)
                     batches, items = after[0] - before[0], after[1] - before[1]
@@ -184,3 +186,11 @@ async def compare_over_http(
 async def _batch_totals(handle: Any) -> tuple[int, int]:
     stats = await handle.stats.remote()
     return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
+
+
+async def upstream_totals(root_url: str) -> tuple[int, int]:
+    """The calls and items the simulated upstream at ``root_url`` has served: a variant's batches as seen from
+    outside it, when the variants take turns."""
+    async with UpstreamClient(root_url) as client:
+        stats = await client.stats()
+    return stats["calls"], stats["items_billed"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -24,14 +24,17 @@ SERVICE_ENV: dict[str, str] = {**serve_env(), "RAY_USAGE_STATS_ENABLED": "0",
                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/tmp/ray-peers-bench"}
 
 
-def _serve_run(bin_dir: Path, port: int, model: Path) -> Launch:
-    """``serve run`` on ``serve_config.yaml`` as shipped but for its HTTP port (8000 may be another copy's)."""
-    config = yaml.safe_load(SERVE_CONFIG.read_text())
-    config["http_options"]["port"] = port
-    path = Path(SERVICE_ENV["RAY_TMPDIR"]) / "serve_config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=ROOT, env=SERVICE_ENV)
+def serve_run(config: dict[str, Any], name: str) -> Callable[[Path, int, Path], Launch]:
+    """How ``Server`` starts ``serve run`` on ``config`` (a Serve config file's contents) but for its HTTP port (8000
+    may be another copy's); the file goes in the service's temp dir as ``<name>.yaml``."""
+    def launch(bin_dir: Path, port: int, model: Path) -> Launch:
+        path = Path(SERVICE_ENV["RAY_TMPDIR"]) / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({**config, "http_options": {**config["http_options"], "port": port}},
+                                       sort_keys=False))
+        return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=ROOT, env=SERVICE_ENV)
+
+    return launch
 
 
 def _service_batching() -> dict[str, Any]:
@@ -40,7 +43,8 @@ def _service_batching() -> dict[str, Any]:
                                                          for key in ("min_replicas", "max_replicas")}}
 
 
-SERVICE = Server("service", _serve_run, _service_batching(), health="/healthz", stop_signal=signal.SIGINT,
+SERVICE = Server("service", serve_run(yaml.safe_load(SERVE_CONFIG.read_text()), "serve_config"), _service_batching(),
+                 health="/healthz", stop_signal=signal.SIGINT,
                  key_packages=("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers",
                                "fastapi", "uvicorn"))
 

@@ -92,6 +92,7 @@ class Server:
     encoding: str = "base64"  # what the benchmark asks for: base64 where the server supports it
     stop_signal: signal.Signals = signal.SIGTERM
     key_packages: tuple[str, ...] = ()  # for the project's own virtualenv (a Venv names its own)
+    model: str = "all-MiniLM-L6-v2"  # the model name the readiness probe asks for
 
     def bin_dir(self, peers_dir: Path) -> Path:
         return self.venv.bin_dir(peers_dir) if self.venv else Path(sys.executable).parent
@@ -165,7 +166,7 @@ def _session_processes(session: int, marker: str | None) -> list[int]:
 
 def _wait_ready(server: Server, process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    probe = json.dumps({"model": "all-MiniLM-L6-v2", "input": ["ready?"], "encoding_format": "float"}).encode()
+    probe = json.dumps({"model": server.model, "input": ["ready?"], "encoding_format": "float"}).encode()
     while True:
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace")[-3000:]

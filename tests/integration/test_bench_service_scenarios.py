@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from load.bench import bulk, e2e, local
+from load.bench.serving import SIM_MODEL, deployed
 from load.upstream import UpstreamConfig
 from load.bench.upstream_process import upstream_process
 
@@ -14,13 +15,15 @@ pytestmark = pytest.mark.integration
 
 def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(serve_instance, tmp_path):
     upstream = UpstreamConfig(base_latency_ms=1, per_token_ms=0, jitter=0)
-    with upstream_process(upstream) as root_url:
+    with upstream_process(upstream) as root_url, \
+            deployed(serve_instance.url, e2e.built_applications(f"{root_url}/v1"), SIM_MODEL):
         data = e2e.measure(serve_instance.url, root_url, upstream, e2e.QUICK, tmp_path)
     assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e.json").exists()
     for row in data["rows"].values():
         assert set(row) == {"adaptive", "serve-batch", "unbatched", "direct"}
         for cell in row.values():
             assert cell["errors"] == 0 and cell["mismatches"] == 0 and cell["items_per_s"] > 0
+        assert row["unbatched"]["mean_batch_size"] == 1.0  # counted at the upstream: one call a text
 
 
 def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
