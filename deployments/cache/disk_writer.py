@@ -8,8 +8,9 @@ of a replica, beside its busy event loop, a writer managed 65 keys a second (17,
 100,000-document bulk run the write-backs queued past their timeout and 27% of the vectors were never stored.
 
 The process runs at the lowest CPU priority, and evicts once a frame rather than once a key (``cull_limit=0``, then
-``Cache.cull``): during a cold bulk run it took 28% of a core at the request path's priority, the machine's last
-free CPU, and the interactive requests beside the job waited for it (HIGH P50 186 ms against 99 ms uncached).
+``Cache.cull``; a write 34 → 23 µs a key): during a cold bulk run, which already fills a 2-core machine, it took 28%
+of a core (22.5% since) beside the request path, and the interactive requests beside the job pay for that CPU
+(README "Cache": night 1's HIGH latency).
 """
 
 from __future__ import annotations
