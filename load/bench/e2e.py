@@ -6,7 +6,8 @@ replica of the ``openai`` backend pointed at the simulated upstream (its own pro
 (``AdaptiveBatcher``, max_batch 200, max_wait 25 ms, scale_factor 15), ``serve.batch`` (the same backend behind Ray
 Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched`` (``AdaptiveBatcher`` with max_batch 1 and no wait:
 the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
-interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured by calling it directly, one text at a time.
+interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured
+by calling it directly, one text at a time.
 
 The same texts are also sent straight to the upstream, one per call, by as many clients (``direct``): what those
 clients get without the service.
