@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import signal
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 from ray import serve
 
+from deployments.app import bind_ingress, build_app
 from deployments.backends import make_backend
-from deployments.config import ModelConfig
+from deployments.config import ModelConfig, parse_app_config
+from deployments.sizing import model_deployment_options
 from load.loadgen import check, closed_loop
 from load.peers.launch import DEFAULT_PEERS_DIR, Server, running
 from load.stats import median_of
@@ -104,31 +105,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return measure(url, root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
-def applications(base_url: str) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Each variant, by route prefix: the import path of its application builder and the builder's args, as a Serve
-    config file names them."""
+def applications(base_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
+    """Each variant, by route prefix: its application builder and the builder's args."""
     return {
-        "adaptive": ("deployments.app:build_app", {"models": [sim_model_entry(base_url)]}),
-        "serve-batch": ("load.bench.e2e:serve_batch_app", {"models": [sim_model_entry(base_url)]}),
-        "unbatched": ("deployments.app:build_app", {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
+        "adaptive": (build_app, {"models": [sim_model_entry(base_url)]}),
+        "serve-batch": (serve_batch_app, {"models": [sim_model_entry(base_url)]}),
+        "unbatched": (build_app, {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
     }
 
 
 def built_applications(base_url: str) -> dict[str, Any]:
     """The variants built in this process (to deploy them on a running Serve instance, as the tests do)."""
-    def build(import_path: str, args: dict[str, Any]) -> Any:
-        module, _, builder = import_path.partition(":")
-        return getattr(importlib.import_module(module), builder)(args)
-
-    return {label: build(*variant) for label, variant in applications(base_url).items()}
+    return {label: builder(args) for label, (builder, args) in applications(base_url).items()}
 
 
 def serve_batch_app(args: dict[str, Any]) -> Any:
     """The application with its model behind ``@serve.batch`` (``ServeBatchedModel``); ``args`` as ``build_app``'s."""
-    from deployments.app import bind_ingress
-    from deployments.config import parse_app_config
-    from deployments.sizing import model_deployment_options
-
     config = parse_app_config(args)
     (model,) = config.models
     return bind_ingress(config, {model.name: ServeBatchedModel.options(**model_deployment_options(model)).bind(model)})
@@ -137,8 +129,9 @@ def serve_batch_app(args: dict[str, Any]) -> Any:
 def gateway(base_url: str) -> Server:
     """The three variants in one ``serve run``, their model on the upstream at ``base_url``."""
     config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8000},
-              "applications": [{"name": label, "route_prefix": f"/{label}", "import_path": import_path, "args": args}
-                               for label, (import_path, args) in applications(base_url).items()]}
+              "applications": [{"name": label, "route_prefix": f"/{label}",
+                                "import_path": f"{builder.__module__}:{builder.__name__}", "args": args}
+                               for label, (builder, args) in applications(base_url).items()]}
     return Server("e2e-service", serve_run(config, "e2e"), SIM_BATCHING, route="/adaptive/v1/embeddings",
                   health="/adaptive/healthz", stop_signal=signal.SIGINT, model=SIM_MODEL)
 
@@ -150,7 +143,8 @@ def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Setting
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
-    targets = [Target(label, f"{url}/{label}", partial(upstream_totals, root_url)) for label in applications("")]
+    targets = [Target(label, f"{url}/{label}", partial(upstream_totals, root_url))
+               for label in applications(f"{root_url}/v1")]
     runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim))
     rows = summarise(runs)
     for concurrency, summary in direct.items():
