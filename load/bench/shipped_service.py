@@ -19,16 +19,14 @@ MODEL = "all-MiniLM-L6-v2"  # the model serve_config.yaml serves
 # `ray stop --force`, which would end every Ray process on the machine). RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes
 # Ray take 127.0.0.1 as the node's address (what the tests' `_node_ip_address` does), so its traffic stays on
 # loopback; no usage stats are sent.
-# HAProxy's files go there too, so its command line names that dir and stopping the service ends it: under
-# /tmp/haproxy-serve, Serve's default, a HAProxy outliving one run held its stats and metrics ports against the next.
-# On top of serve.env, the environment the README's run command gives it.
-_TMPDIR, _HAPROXY = "/tmp/ray-peers-bench", "/tmp/ray-peers-bench/haproxy"
+# On top of serve.env, the environment the README's run command gives it. HAProxy's config and admin socket go in
+# that temp dir too, so HAProxy's command line names it and stopping the service ends HAProxy as well: under Serve's
+# default /tmp/haproxy-serve, a HAProxy outliving one run held its stats and metrics ports against the next.
+_TMPDIR = "/tmp/ray-peers-bench"
 SERVICE_ENV: dict[str, str] = {
     **serve_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": _TMPDIR,
-    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{_HAPROXY}/haproxy.cfg",
-    "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{_HAPROXY}/admin.sock",
-    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": _HAPROXY, "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{_HAPROXY}/server-state",
-    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{_HAPROXY}/metrics.sock",
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{_TMPDIR}/haproxy/haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{_TMPDIR}/haproxy/admin.sock",
 }
 
 
