@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subcommands.add_parser(
             name,
             parents=[common],
-            help=summary,
+            help=summary.replace("%", "%%"),  # argparse formats help strings with %
             description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

@@ -114,3 +114,10 @@ def test_a_median_leaves_out_what_a_run_could_not_give(values, expected):
 )
 def test_a_censored_percentile_counts_as_larger_than_every_finite_one(values, expected):
     assert censored_median(values) == expected
+
+
+def test_the_help_lists_every_scenario(capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--help"])
+    assert exited.value.code == 0
+    assert "5% edited" in capsys.readouterr().out  # a summary with a percent sign, which argparse would format
