@@ -94,6 +94,11 @@ class EmbeddingModel:
         stats = getattr(self._backend, "stats", None)
         return dict(stats()) if callable(stats) else {}
 
+    async def cache_written(self) -> None:
+        """Return once every vector this replica computed so far is in its cache's store (or its write was given
+        up): a write-back lands after its request was answered."""
+        await self._cache.written()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every few seconds and handed to the autoscaling policy."""
         snapshots = [batcher.stats() for batcher in self._batchers.values()]

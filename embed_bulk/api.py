@@ -62,7 +62,8 @@ def make_openai_client(
     settings: BulkSettings, counters: CallCounters, transport: httpx2.AsyncBaseTransport | None = None
 ) -> openai.AsyncOpenAI:
     timeout = httpx2.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
-    http = httpx2.AsyncClient(
+    # The SDK's aiohttp transport (unless one is given: tests pass theirs), as the openai backend sends on it.
+    http = openai.DefaultAioHttpClient(
         timeout=timeout,
         limits=httpx2.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency),
         transport=transport,

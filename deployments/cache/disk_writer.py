@@ -25,6 +25,9 @@ import diskcache
 from ..cpu_priority import lowest_cpu_priority
 
 EVICTION_POLICY = "least-recently-stored"  # a read never writes (README "Cache")
+# SQLite reads the database through a memory map this long (diskcache's default, 64 MiB, is 40,000 vectors of 384
+# floats; past it each page is a read() call): a 256-key lookup in a 100,000-vector store 1.62 -> 1.21 ms.
+MMAP_BYTES = 2**30
 HEADER = struct.Struct(">I")
 COMMAND = "from deployments.cache.disk_writer import main; main()"  # for ``python -c``
 
@@ -32,7 +35,7 @@ COMMAND = "from deployments.cache.disk_writer import main; main()"  # for ``pyth
 def open_cache(directory: str, lock_timeout_s: float, max_bytes: int) -> diskcache.Cache:
     # No eviction inside ``set`` (diskcache's default checks the volume on every key): ``write`` evicts once a frame.
     return diskcache.Cache(directory, timeout=lock_timeout_s, size_limit=max_bytes, eviction_policy=EVICTION_POLICY,
-                           cull_limit=0)
+                           cull_limit=0, sqlite_mmap_size=MMAP_BYTES)
 
 
 def write(cache: diskcache.Cache, entries: Mapping[str, bytes], ttl_s: float | None) -> None:

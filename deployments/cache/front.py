@@ -41,6 +41,9 @@ class Uncached:
                     priority: Priority, timeout_s: float | None) -> list[Outcome]:
         return list(await submit(list(prepared), timeout_s))
 
+    async def written(self) -> None:
+        pass
+
     async def aclose(self) -> None:
         pass
 
@@ -80,9 +83,15 @@ class EmbeddingCache:
         self._metrics.saved(self._name, len(saved), sum(inputs[key].tokens for key in saved))
         return [found[key] for key in request_keys]
 
+    async def written(self) -> None:
+        """Return once every vector computed so far has been written back (or its write given up: each is bounded
+        by the store's timeout), including writes started meanwhile."""
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
     async def aclose(self) -> None:
-        """Let the writes in progress land (each bounded by the store's timeout), then close the store."""
-        await asyncio.gather(*self._writes, return_exceptions=True)
+        """Let the writes in progress land, then close the store."""
+        await self.written()
         await self._store.aclose()
 
     def _keys_of(self, dimensions: int | None) -> CacheKeys:

@@ -7,7 +7,9 @@ own process), batched as in ``bulk``. For each store, one after another: night 1
 ``python -m embed_bulk`` (``embed-bulk``, unchanged, at LOW priority) into a fresh ``.npy``; night 2 embeds the next
 night's corpus — the same documents with ``--edited-share`` of them edited (one word changed) and
 ``--added-share`` more appended — into another fresh file. Each night reports its wall time (launch to exit), the
-upstream calls and the tokens the upstream billed; every output row is checked against its document's hash.
+upstream calls and the tokens the upstream billed; every output row is checked against its document's hash. The
+nights are a day apart: night 2 starts once night 1's write-backs, which land after their requests were answered,
+are in the store (``EmbeddingModel.cache_written``), and how long after the job's exit that was is reported too.
 Targets: night 2 bills ≤ 8% of night 1's tokens and takes ≤ 25% of its wall time.
 
 With ``--high-rate R`` a HIGH stream of single-text requests (Poisson, R a second, texts no night contains) runs
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import random
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
             results_dir: Any = None) -> dict[str, Any]:
     """The scenario on a running Serve instance (HTTP proxy at ``proxy``) and upstream (at ``root_url``)."""
+    from ray import serve
+
     from deployments.app import build_app
 
     night_1 = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
@@ -97,8 +102,9 @@ def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Setti
         entries = {name: cached_entry(name, f"{root_url}/v1", Path(work), servers) for name in settings.store_names}
         apps = {name: build_app({"models": [entry]}) for name, entry in entries.items()}
         with deployed(proxy, apps, SIM_MODEL) as targets:
-            nights = asyncio.run(_both_nights({t.label: t.url for t in targets}, root_url, night_1, night_2,
-                                              stream_texts, Path(work), settings, upstream.dim))
+            models = {label: serve.get_deployment_handle(f"embed-{SIM_MODEL}", app_name=label) for label in apps}
+            nights = asyncio.run(_both_nights({t.label: (t.url, models[t.label]) for t in targets}, root_url,
+                                              night_1, night_2, stream_texts, Path(work), settings, upstream.dim))
     data = summarise(nights, settings, upstream)
     return write_report("bulk_rerun", "The nightly job re-run with the embedding cache", render(data), data,
                         results_dir)
@@ -143,19 +149,22 @@ def cached_entry(store: str, base_url: str, work: Path, servers: ExitStack) -> d
     return entry
 
 
-async def _both_nights(urls: dict[str, str], root_url: str, night_1: Sequence[str], night_2: Sequence[str],
+async def _both_nights(services: dict[str, tuple[str, Any]], root_url: str, night_1: Sequence[str], night_2: Sequence[str],
                        stream_texts: Sequence[str], work: Path, settings: Settings,
                        dim: int) -> dict[str, dict[str, Any]]:
     inputs = [write_documents(night_1, work / "night-1.jsonl"), write_documents(night_2, work / "night-2.jsonl")]
     nights: dict[str, dict[str, Any]] = {}
     async with UpstreamClient(root_url) as upstream:
-        for store, url in urls.items():
+        for store, (url, model) in services.items():
             nights[store] = {}
             for night, (documents, input_path) in enumerate(zip((night_1, night_2), inputs), start=1):
                 job = await bulk_job(url, upstream, documents, input_path, dim,  # resets the counters
                                      concurrency=settings.job_concurrency, batch_size=settings.job_batch_size,
                                      stream_texts=stream_texts or None, stream_rate_per_s=settings.high_rate_per_s)
                 job["tokens_billed"] = (await upstream.stats())["tokens_billed"]
+                exited = time.perf_counter()
+                await model.cache_written.remote()  # the nights are a day apart: yesterday's vectors are stored
+                job["written_back_s"] = time.perf_counter() - exited
                 nights[store][f"night_{night}"] = job
     return nights
 
@@ -187,14 +196,15 @@ def render(data: dict[str, Any]) -> str:
             wrong = job["mismatches"] + job["misplaced_ids"] + (job["documents"] - job["rows"])
             high = job.get("high_stream") or {}
             rows.append([store if store != "none" else "none (control)", night.replace("_", " "),
-                         f"{job['documents']:,}", f"{job['wall_s']:,.1f}", f"{job['upstream_calls']:,}",
+                         f"{job['documents']:,}", f"{job['wall_s']:,.1f}", f"{job['written_back_s']:,.1f}",
+                         f"{job['upstream_calls']:,}",
                          f"{job['tokens_billed']:,}", wrong, high.get("submitted", "—"), _ms(high.get("p50_ms")),
                          _ms(high.get("p99_ms"))])
     shares = [f"`{store}`: tokens {_percent(t['token_share']['value'])} ({verdict[t['token_share']['met']]}), "
               f"wall time {_percent(t['wall_share']['value'])} ({verdict[t['wall_share']['met']]})"
               for store, t in data["targets"].items()]
-    table = markdown_table(["store", "night", "documents", "wall s", "upstream calls", "tokens billed",
-                            "wrong rows", "HIGH requests", "HIGH P50 ms", "HIGH P99 ms"], rows)
+    table = markdown_table(["store", "night", "documents", "wall s", "written back s", "upstream calls",
+                            "tokens billed", "wrong rows", "HIGH requests", "HIGH P50 ms", "HIGH P99 ms"], rows)
     stream = (f"A HIGH stream of single texts, Poisson at {settings['high_rate_per_s']:g}/s, ran beside each night "
               "(its calls and tokens are in the counts)." if settings["high_rate_per_s"] else
               "No HIGH stream ran (`--high-rate` adds one).")
@@ -204,7 +214,8 @@ def render(data: dict[str, Any]) -> str:
 process: base {upstream['base_latency_ms']:g} ms + {upstream['per_token_ms']:g} ms/token, provider concurrency \
 {upstream['max_concurrency']}. Each night is `python -m embed_bulk` (`embed-bulk`, unchanged) with \
 `--concurrency {settings['job_concurrency']} --batch-size {settings['job_batch_size']}` into a fresh `.npy`; wall \
-time from launch to exit. `wrong rows`: rows missing, out of place or not matching their document's hash. \
+time from launch to exit; `written back s`: from the exit until the cache's last write-back landed (night 2 \
+starts after it). `wrong rows`: rows missing, out of place or not matching their document's hash. \
 {stream}
 
 {table}

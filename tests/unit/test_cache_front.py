@@ -250,6 +250,17 @@ async def test_close_lets_the_writes_in_progress_land() -> None:
     assert len(store.data) == 1
 
 
+async def test_written_returns_once_every_write_back_landed_also_those_started_meanwhile() -> None:
+    store, model = MemoryStore(), FakeModel()
+    store.delay_s = 0.020
+    cache = make_cache(store)
+    await embed(cache, model, "first")  # t=20 ms; its write lands at 40
+    waiting = asyncio.ensure_future(cache.written())
+    store.delay_s = 0.015
+    await embed(cache, model, "second")  # t=35; its write, started while the first one's is awaited, lands at 50
+    await waiting
+    assert len(store.data) == 2
+
 
 async def test_a_write_slower_than_a_read_may_be_still_lands() -> None:
     store, metrics, model = MemoryStore(), RecordingMetrics(), FakeModel()

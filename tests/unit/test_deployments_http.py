@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batching import Priority
 from deployments import tokens
@@ -135,6 +137,13 @@ def test_token_ids_decode_back_to_their_text() -> None:
     assert tokens.decode(ids) == text
     assert tokens.count(text) == len(ids)
     assert tokens.encode("<|endoftext|>") != [100257]  # special-token text is ordinary text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(), encoding=st.sampled_from(["cl100k_base", "o200k_base"]))
+def test_counting_tokens_agrees_with_encoding_them(text: str, encoding: str) -> None:
+    # any text: special-token text, lone surrogates (replaced before encoding), whitespace runs, emoji
+    assert tokens.count(text, encoding) == len(tokens.encode(text, encoding))
 
 
 @pytest.mark.parametrize("ids", [[100256], [-1], [10**9], [1, "2"], [True]])
