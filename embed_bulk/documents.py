@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
 
 DocId = str | int
 
@@ -14,9 +16,9 @@ class InputError(ValueError):
     """The input cannot be read as asked (bad JSON, a missing or repeated id)."""
 
 
-@dataclass(frozen=True)
-class Document:
-    """One document; `problem` says why it cannot be sent (it is then reported as failed, never embedded)."""
+class Document(NamedTuple):
+    """One document; `problem` says why it cannot be sent (it is then reported as failed, never embedded). A tuple:
+    a run makes two of each input row (its ids first, then its batches), and a frozen dataclass costs 3x as much."""
 
     id: DocId
     text: str
@@ -25,14 +27,16 @@ class Document:
 
 def read_documents(path: Path, *, jsonl: bool, id_field: str = "id", text_field: str = "text") -> Iterator[Document]:
     """The documents of `path` in file order. Plain text: blank lines are skipped and the id is the line number."""
+    if jsonl:  # bytes: orjson reads them as they are (a fourth of the time json takes for str lines)
+        with path.open("rb") as rows:
+            for line_number, row in enumerate(rows, start=1):
+                if row.strip():
+                    yield _jsonl_document(row, line_number, id_field, text_field)
+        return
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
             content = line.rstrip("\r\n")
-            if not content.strip():
-                continue
-            if jsonl:
-                yield _jsonl_document(content, line_number, id_field, text_field)
-            else:
+            if content.strip():
                 yield Document(line_number, content)
 
 
@@ -48,17 +52,29 @@ def unique_ids(documents: Iterator[Document]) -> list[DocId]:
     return ids
 
 
-def _jsonl_document(content: str, line_number: int, id_field: str, text_field: str) -> Document:
+def _jsonl_document(content: bytes, line_number: int, id_field: str, text_field: str) -> Document:
     try:
-        row = json.loads(content)
-    except json.JSONDecodeError as error:
-        raise InputError(f"line {line_number}: not valid JSON ({error.msg})") from None
+        row = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        row = _parsed_by_json(content, line_number)  # what orjson refuses and json reads (NaN), or InputError
     if not isinstance(row, dict):
         raise InputError(f"line {line_number}: expected a JSON object")
     doc_id = row.get(id_field)
+    if isinstance(doc_id, float):  # orjson reads an integer wider than 64 bits as a float; json keeps it whole
+        doc_id = _parsed_by_json(content, line_number).get(id_field)
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
         raise InputError(f"line {line_number}: field {id_field!r} must be a string or an integer")
     text = row.get(text_field)
     if not isinstance(text, str):
         return Document(doc_id, "", problem=f"line {line_number}: field {text_field!r} is missing or not a string")
     return Document(doc_id, text)
+
+
+def _parsed_by_json(content: bytes, line_number: int) -> Any:
+    """The row as json reads it: exact where orjson is not (integers wider than 64 bits), and saying why a line that
+    is not JSON is not."""
+    try:
+        return json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
+        raise InputError(f"line {line_number}: not valid JSON ({reason})") from None

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 
 from embed_bulk import BulkJob, BulkSettings, Summary, main
 from embed_bulk.api import failing_index
+from embed_bulk.documents import Document, InputError, read_documents
 
 DIM = 8
 Reply = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
@@ -365,6 +366,19 @@ async def test_a_row_without_text_fails_and_repeated_ids_are_refused(tmp_path: P
     (tmp_path / "docs.jsonl").write_text('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n')
     with pytest.raises(ValueError, match="more than once"):
         await run(settings(tmp_path), FakeEmbeddingsAPI())
+
+
+def test_jsonl_rows_read_wide_integer_ids_and_name_the_line_that_is_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    wide = 2**70  # past orjson's 64 bits: json reads it
+    path.write_bytes(b'{"id": %d, "text": "wide"}\n\n{"id": "b", "text": "caf\xc3\xa9"}\r\n' % wide)
+    assert list(read_documents(path, jsonl=True)) == [Document(wide, "wide"), Document("b", "caf\u00e9")]
+
+    for bad, error in ((b'{"id": 1, "text": "a"}\n{"id": 2,\n', r"line 2: not valid JSON \(Expecting"),
+                       (b'{"id": 1, "text": "\xff"}\n', r"line 1: not valid JSON \(not UTF-8\)")):
+        path.write_bytes(bad)
+        with pytest.raises(InputError, match=error):
+            list(read_documents(path, jsonl=True))
 
 
 @pytest.mark.looptime
