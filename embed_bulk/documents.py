@@ -18,7 +18,8 @@ class InputError(ValueError):
 
 class Document(NamedTuple):
     """One document; `problem` says why it cannot be sent (it is then reported as failed, never embedded). A tuple:
-    a run makes two of each input row (its ids first, then its batches), and a frozen dataclass costs 3x as much."""
+    a run makes two of each input row (its ids first, then its batches), and a frozen dataclass takes 2.4x as long
+    to make (0.45 against 0.18 us)."""
 
     id: DocId
     text: str
@@ -30,8 +31,8 @@ def read_documents(path: Path, *, jsonl: bool, id_field: str = "id", text_field:
     if jsonl:  # bytes: orjson reads them as they are (a fourth of the time json takes for str lines)
         with path.open("rb") as rows:
             for line_number, row in enumerate(rows, start=1):
-                if row.strip():
-                    yield _jsonl_document(row, line_number, id_field, text_field)
+                if row.strip() and (document := _jsonl_document(row, line_number, id_field, text_field)):
+                    yield document
         return
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
@@ -52,10 +53,13 @@ def unique_ids(documents: Iterator[Document]) -> list[DocId]:
     return ids
 
 
-def _jsonl_document(content: bytes, line_number: int, id_field: str, text_field: str) -> Document:
+def _jsonl_document(content: bytes, line_number: int, id_field: str, text_field: str) -> Document | None:
+    """The line's document; None for a line of whitespace only (Unicode's too: skipped, as in plain text)."""
     try:
         row = orjson.loads(content)
     except orjson.JSONDecodeError:
+        if not content.decode("utf-8", "replace").strip():
+            return None
         row = _parsed_by_json(content, line_number)  # what orjson refuses and json reads (NaN), or InputError
     if not isinstance(row, dict):
         raise InputError(f"line {line_number}: expected a JSON object")

@@ -368,10 +368,10 @@ async def test_a_row_without_text_fails_and_repeated_ids_are_refused(tmp_path: P
         await run(settings(tmp_path), FakeEmbeddingsAPI())
 
 
-def test_jsonl_rows_read_wide_integer_ids_and_name_the_line_that_is_not_json(tmp_path: Path) -> None:
+def test_jsonl_rows_read_wide_integer_ids_skip_blank_lines_and_name_the_line_that_is_not_json(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     wide = 2**70  # past orjson's 64 bits: json reads it
-    path.write_bytes(b'{"id": %d, "text": "wide"}\n\n{"id": "b", "text": "caf\xc3\xa9"}\r\n' % wide)
+    path.write_bytes(b'{"id": %d, "text": "wide"}\n\n \xc2\xa0\n{"id": "b", "text": "caf\xc3\xa9"}\r\n' % wide)
     assert list(read_documents(path, jsonl=True)) == [Document(wide, "wide"), Document("b", "caf\u00e9")]
 
     for bad, error in ((b'{"id": 1, "text": "a"}\n{"id": 2,\n', r"line 2: not valid JSON \(Expecting"),
