@@ -59,6 +59,21 @@ async def test_vectors_round_trip_with_their_ttl_and_the_bound_is_checked(server
     assert "no maxmemory" in caplog.text and PASSWORD not in caplog.text
 
 
+async def test_a_server_that_refuses_scripts_gets_each_write_as_set_commands(server: RedisServer) -> None:
+    server.client().execute_command("ACL", "SETUSER", "default", "-@scripting")
+    store = RedisStore(server.url, password=PASSWORD, ttl_s=60.0, timeout_s=1.0)
+    values = {f"emb:{i}": np.full(DIM, i, dtype="<f4").tobytes() for i in range(3)}
+    client = server.client()
+    try:
+        for _ in range(2):  # refused, then sent as SET commands from the start
+            await store.set_many(values)
+            assert await store.get_many(list(values)) == list(values.values())
+            assert all(0 < client.pttl(key) <= 60_000 for key in values)
+            client.flushall()
+    finally:
+        await store.aclose()
+
+
 async def test_the_servers_maxmemory_bounds_the_bytes(small_server: RedisServer) -> None:
     server = small_server
     store = RedisStore(server.url, password=PASSWORD, ttl_s=3600.0, timeout_s=5.0)

@@ -101,6 +101,21 @@ async def test_a_disk_lookup_reads_what_diskcache_reads_key_by_key(tmp_path: Pat
     assert found[-1] == vector(1) and sum(entry is not None for entry in found) == 1 + 800 + 1
 
 
+async def test_a_key_written_again_holds_its_new_value_in_one_row(tmp_path: Path, clock: FakeClock) -> None:
+    store = DiskStore(tmp_path / "vectors", max_bytes=64 * 1024 * 1024, ttl_s=60.0, lock_timeout_s=1.0,
+                      write_in_process=False)
+    try:
+        await store.set_many({"a": vector(1), "b": vector(2)})
+        clock.now += 50
+        await store.set_many({"a": vector(3)})  # its expiry starts again
+        clock.now += 20
+        assert await store.get_many(["a", "b"]) == [vector(3), None]
+    finally:
+        await store.aclose()
+    with diskcache.Cache(str(tmp_path / "vectors")) as cache:
+        assert len(cache) == 2 and cache.check() == []  # counted once each; diskcache finds nothing to repair
+
+
 async def test_the_disk_store_is_shared_by_the_processes_of_a_node(tmp_path: Path) -> None:
     one = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=None, lock_timeout_s=1.0)
     other = DiskStore(tmp_path / "vectors", max_bytes=1024 * 1024, ttl_s=None, lock_timeout_s=1.0)
