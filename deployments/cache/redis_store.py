@@ -58,7 +58,7 @@ class RedisStore:
             try:
                 await self._set_all(keys=list(entries), args=[*entries.values(), self._ttl_ms])
                 return
-            except (NoPermissionError, ResponseError) as exc:
+            except ResponseError as exc:  # NoPermissionError among them
                 if not _refuses_scripts(exc):
                     raise
                 logger.info("embedding cache: this Redis refuses scripts; writes go as pipelines of SET commands")
@@ -85,7 +85,6 @@ class RedisStore:
                                "volatile-lru or allkeys-lru keeps it within maxmemory",
                                settings.get("maxmemory-policy"))
         self._bound_checked = True
-
 
 
 def _refuses_scripts(error: ResponseError) -> bool:
