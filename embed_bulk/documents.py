@@ -31,7 +31,7 @@ def read_documents(path: Path, *, jsonl: bool, id_field: str = "id", text_field:
     if jsonl:  # bytes: orjson reads them as they are (a fourth of the time json takes for str lines)
         with path.open("rb") as rows:
             for line_number, row in enumerate(rows, start=1):
-                if row.strip() and (document := _jsonl_document(row, line_number, id_field, text_field)):
+                if (document := _jsonl_document(row, line_number, id_field, text_field)) is not None:
                     yield document
         return
     with path.open(encoding="utf-8") as lines:
@@ -54,7 +54,8 @@ def unique_ids(documents: Iterator[Document]) -> list[DocId]:
 
 
 def _jsonl_document(content: bytes, line_number: int, id_field: str, text_field: str) -> Document | None:
-    """The line's document; None for a line of whitespace only (Unicode's too: skipped, as in plain text)."""
+    """The line's document; None for a line of whitespace only (Unicode's too: skipped, as in plain text), which
+    orjson refuses like any line that is not JSON."""
     try:
         row = orjson.loads(content)
     except orjson.JSONDecodeError:
