@@ -10,6 +10,7 @@ args:
       batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
       cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
+      limits: {rpm: 3000, tpm: 1000000, headroom: 0.9}                          # openai: QuotaLimits fields
   ingress: {max_ongoing_requests: 1024}
 ```
 Serve hands ``build_app`` an ``AppConfig`` (its typed application builder). Every problem is reported at once
@@ -115,6 +116,25 @@ class CacheConfig(_Section):
         return DEFAULT_REDIS_TTL_S if self.ttl_s is None and self.store == "redis" else self.ttl_s
 
 
+class QuotaLimits(_Section):
+    """An ``openai`` model entry's provider quota (``deployments/quota/``): one budget shared by every replica."""
+
+    rpm: Count = None  # requests per minute the account allows
+    tpm: Count = None  # tokens per minute the account allows
+    # the share of the limits the service spends: the rest absorbs what it cannot see (clocks, other clients)
+    headroom: Annotated[float, _rule(lambda v: _is_number(v) and 0 < v <= 1, "be a number > 0 and <= 1",
+                                     quoted=True)] = 0.9
+    # what LOW is owed while HIGH would take everything (HIGH has first claim on the rest)
+    low_share: Annotated[float, _rule(lambda v: _is_number(v) and 0 <= v < 1, "be a number >= 0 and < 1",
+                                      quoted=True)] = 0.1
+
+    @model_validator(mode="after")
+    def _a_limit(self) -> QuotaLimits:
+        if self.rpm is None and self.tpm is None:
+            raise ValueError("set rpm, tpm or both")
+        return self
+
+
 def _batcher_config(section: Any, info: ValidationInfo) -> BatcherConfig:
     """``batching:`` (BatcherConfig fields, with ``max_batch_tokens`` for ``max_batch_cost``) as a BatcherConfig."""
     if isinstance(section, BatcherConfig):
@@ -187,6 +207,7 @@ class ModelConfig(_Section):
     batcher: Annotated[InstanceOf[BatcherConfig], BeforeValidator(_batcher_config)] = Field(
         default_factory=BatcherConfig, validation_alias="batching")
     cache: CacheConfig | None = None
+    limits: QuotaLimits | None = None  # openai only: the provider's rate limits
     autoscaling: Annotated[dict[str, Any] | None, BeforeValidator(_autoscaling_config)] = None
     num_replicas: Count = None
     max_ongoing_requests: Count = None
@@ -218,7 +239,7 @@ class ModelConfig(_Section):
             raise ValueError("only the onnx engine takes this option")
         return value
 
-    @field_validator("base_url", "api_key_env", "upstream_model", mode="before")
+    @field_validator("base_url", "api_key_env", "upstream_model", "limits", mode="before")
     @classmethod
     def _openai_only(cls, value: Any, info: ValidationInfo) -> Any:
         backend = info.data.get("backend")
@@ -329,7 +350,7 @@ def parse_app_config(args: Any) -> AppConfig:
 
 # The sections whose unknown keys are reported, by the setting that holds them (the top level: "").
 _SECTIONS: dict[str, type[_Section]] = {"": AppConfig, "models": ModelConfig, "cache": CacheConfig,
-                                        "ingress": IngressConfig}
+                                        "ingress": IngressConfig, "limits": QuotaLimits}
 
 
 def _problems(exc: ValidationError) -> list[str]:
