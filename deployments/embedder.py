@@ -24,6 +24,8 @@ from .config import ModelConfig
 from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
                      UpstreamFailed, UpstreamRateLimited)
 from .metrics import RayServeMetrics
+from .quota import PacedInput, make_pacer
+from .quota.metrics import RayQuotaMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,6 +56,10 @@ class EmbeddingModel:
         self._backend = backend if backend is not None else make_backend(model)
         self._metrics = metrics if metrics is not None else RayServeMetrics()
         self._cache = make_cache(model, cache_metrics)
+        # an upstream model's calls claim the provider's quota first (deployments/quota/); its answers update it
+        self._pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None)
+        if self._pacer is not None:
+            self._backend.on_response = self._pacer.observe
         self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
         self._closing = False
 
@@ -152,6 +158,9 @@ class EmbeddingModel:
                 raise RequestTimedOut("the request timed out before it was embedded")
 
         async def submit(items: list[Prepared], timeout: float | None) -> Sequence[np.ndarray | BaseException]:
+            if self._pacer is not None:  # its batch's claim needs the priority and deadlines
+                deadline = None if timeout is None else loop.time() + timeout
+                items = [PacedInput(item.content, item.tokens, level, deadline) for item in items]
             return await batcher.submit_many(items, priority=level, timeout_s=timeout, return_exceptions=True)
 
         try:  # the cache submits only what it does not hold (all of it when the entry has no cache)
@@ -201,8 +210,13 @@ class EmbeddingModel:
             size = dimensions or self._backend.dimension or "default"
             backend = self._backend
 
+            pacer = self._pacer
+
             async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
-                return await backend.embed([payload.content for payload in payloads], dimensions)
+                def send() -> Awaitable[Sequence[np.ndarray | BaseException]]:
+                    return backend.embed([payload.content for payload in payloads], dimensions)
+
+                return await (send() if pacer is None else pacer.paced(payloads, send))
 
             batcher = AdaptiveBatcher(
                 process,

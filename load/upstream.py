@@ -97,6 +97,7 @@ class ProviderError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -105,9 +106,10 @@ class ProviderError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(math.ceil(self.retry_after_s))
             headers["retry-after-ms"] = str(math.ceil(self.retry_after_s * 1000))
@@ -158,6 +160,13 @@ class MinuteBudget:
     def take(self, amount: int) -> None:
         self._level -= amount
 
+    def headers(self, kind: str) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*-<kind>` headers: the limit, what is left, and how long until it is all back."""
+        remaining = max(0, math.floor(self._level))
+        reset_s = (self.per_minute - self._level) * 60 / self.per_minute
+        return {f"x-ratelimit-limit-{kind}": str(self.per_minute), f"x-ratelimit-remaining-{kind}": str(remaining),
+                f"x-ratelimit-reset-{kind}": f"{max(0.0, reset_s):.3f}s"}
+
 
 @dataclass
 class UpstreamStats:
@@ -200,6 +209,7 @@ class UpstreamStats:
 class EmbeddingsResult:
     body: dict[str, Any]
     processing_ms: float
+    headers: dict[str, str] = field(default_factory=dict)  # the rate limits' account, when there are limits
 
 
 class SimulatedProvider:
@@ -275,7 +285,7 @@ class SimulatedProvider:
                     raise ProviderError(500, "The server had an error while processing your request.", "server_error")
                 response = self._response(request, items, tokens)
                 self.stats.bill(len(items), tokens)
-                return EmbeddingsResult(response, (time.perf_counter() - started) * 1000)
+                return EmbeddingsResult(response, (time.perf_counter() - started) * 1000, self._rate_limit_headers())
         finally:
             self._in_flight -= 1
 
@@ -342,9 +352,17 @@ class SimulatedProvider:
                     kind,
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
+                    headers=self._rate_limit_headers(),
                 )
         for budget, amount, _ in limits:
             budget.take(amount)
+
+    def _rate_limit_headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for budget, kind in ((self._requests_budget, "requests"), (self._tokens_budget, "tokens")):
+            if budget is not None:
+                headers.update(budget.headers(kind))
+        return headers
 
     def _latency_s(self, items: list[str] | list[list[int]], tokens: int) -> float:
         config = self.config
@@ -402,7 +420,8 @@ def create_app(config: UpstreamConfig) -> FastAPI:
         if config.api_key is not None and request.headers.get("authorization") != f"Bearer {config.api_key}":
             raise ProviderError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
         result = await provider.embeddings(await request.body())
-        return JSONResponse(result.body, headers={"openai-processing-ms": f"{result.processing_ms:.0f}"})
+        headers = {"openai-processing-ms": f"{result.processing_ms:.0f}", **result.headers}
+        return JSONResponse(result.body, headers=headers)
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:

@@ -68,6 +68,9 @@ class OpenAIBackend(EmbeddingBackend):
         # may still have embedded, and billed, their items. Items retried after that may be billed twice.
         self.abandoned_calls = 0
         self.abandoned_items = 0
+        # Told of every answer the upstream gave: its headers, and a 429's delay (None for other answers), so the
+        # quota (deployments/quota/) follows the provider's account.
+        self.on_response: Callable[[Mapping[str, str], float | None], None] | None = None
 
     @property
     def dimension(self) -> int | None:
@@ -116,16 +119,23 @@ class OpenAIBackend(EmbeddingBackend):
         try:
             response = await self._client.post("/embeddings", body=request, cast_to=httpx2.Response)
         except openai.APIStatusError as exc:
+            error = _status_error(exc, self._mask)
+            self._answered(exc.response.headers, error.retry_after_s if exc.status_code == 429 else None)
             if exc.status_code in _REJECTING_STATUSES:
                 raise ItemRejected(f"the upstream refused the input: {self._mask(_upstream_message(exc))}") from None
-            return [_status_error(exc, self._mask) for _ in items]
+            return [error for _ in items]
         except openai.APIConnectionError as exc:  # includes APITimeoutError
             self._abandoned(len(items))
             return [UpstreamError(f"upstream unreachable: {self._mask(str(exc))}", retryable=True) for _ in items]
         except asyncio.CancelledError:  # the batch timed out, or every caller gave up
             self._abandoned(len(items))
             raise
+        self._answered(response.headers, None)
         return self._vectors(response.content, len(items))
+
+    def _answered(self, headers: Mapping[str, str], refused_for_s: float | None) -> None:
+        if self.on_response is not None:
+            self.on_response(headers, refused_for_s)
 
     def _abandoned(self, items: int) -> None:
         self.abandoned_calls += 1

@@ -166,6 +166,24 @@ def test_requests_over_rpm_get_429_with_retry_after_headers() -> None:
         assert upstream.stats()["rejected_429"] == 1
 
 
+def test_limited_calls_carry_the_accounts_rate_limit_headers_as_openai_sends_them() -> None:
+    with run_upstream(fast(rpm=60, tpm=1_000)) as upstream:
+        first = embed(upstream, input=[[1] * 8])
+        assert first.status_code == 200
+        assert (first.headers["x-ratelimit-limit-requests"], first.headers["x-ratelimit-limit-tokens"]) == (
+            "60", "1000")
+        assert int(first.headers["x-ratelimit-remaining-requests"]) in (59, 60)  # refilled a little meanwhile
+        assert 992 <= int(first.headers["x-ratelimit-remaining-tokens"]) < 1000
+        assert first.headers["x-ratelimit-reset-tokens"].endswith("s")
+        refused = embed(upstream, input=[[1] * 995])
+        assert refused.status_code == 429
+        assert int(refused.headers["x-ratelimit-remaining-tokens"]) < 995
+
+
+def test_unlimited_calls_carry_no_rate_limit_headers(upstream: RunningUpstream) -> None:
+    assert not [name for name in embed(upstream, input="x").headers if name.startswith("x-ratelimit")]
+
+
 def test_official_openai_client_sees_rate_limit_error() -> None:
     with run_upstream(fast(rpm=1)) as upstream:
         client = openai.OpenAI(base_url=upstream.base_url, api_key="x", max_retries=0)

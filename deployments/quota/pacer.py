@@ -1,0 +1,240 @@
+"""A replica's side of the shared quota: every upstream call claims its request and tokens before it is sent.
+
+``QuotaPacer.paced`` wraps one batch's upstream call (its inputs are ``PacedInput``: a batch never mixes
+priorities, so the first input's is the batch's). The claim goes to the ``QuotaLimiter`` actor, with what the
+provider's last responses said; a HIGH claim also asks for a small lease, so the next few HIGH calls are granted here
+without a round trip. If the actor cannot be reached, the replica paces alone on an equal share of the limits
+(limits / replicas) for a while, says so in a metric and a log line, and then tries the actor again: a request never
+fails because the limiter is down.
+
+A claim the budget cannot grant before the batch's latest deadline is not sent: its inputs end in a 429 whose
+Retry-After is when the budget will hold them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import time
+from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequence
+
+from batching import Priority
+
+from ..errors import UpstreamRateLimited
+from .budget import Claim, Limits, QuotaBudget
+from .headers import provider_accounts
+from .limiter import Answer, Report, connect
+from .metrics import QuotaMetrics
+
+logger = logging.getLogger("ray.serve")
+
+CALL_TIMEOUT_S = 1.0  # an actor that takes longer to answer a claim counts as unreachable
+ALONE_S = 5.0  # after the actor failed, pace alone this long before asking it again
+MIN_POLL_S = 0.01  # a LOW claim asks again no sooner than this
+LEASE_CALLS = 4  # a HIGH lease holds about this many calls
+LEASE_TTL_S = 5.0  # a lease not spent by then is dropped (it was counted as spent when granted)
+MAX_REPORTS = 8  # provider reports kept for the next claim (the latest matter)
+_CALL_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("quota_call_started")
+
+
+class PacedInput:
+    """A prepared input queued for a paced model: ``content`` and ``tokens`` as ``Prepared``, with the priority and
+    deadline (loop time) its batch is claimed with. Equal by content, so equal inputs of a batch are still sent once."""
+
+    __slots__ = ("content", "tokens", "priority", "deadline")
+
+    def __init__(self, content: Hashable, tokens: int, priority: Priority, deadline: float | None) -> None:
+        self.content = content
+        self.tokens = tokens
+        self.priority = priority
+        self.deadline = deadline
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PacedInput) and other.content == self.content
+
+    def __hash__(self) -> int:
+        return hash(self.content)
+
+
+class SharedLedger(Protocol):
+    """Where the one budget is (the ``QuotaLimiter`` actor); any failure means it cannot be reached."""
+
+    async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
+                    reports: list[Report]) -> Answer: ...
+
+    async def report(self, reports: list[Report]) -> None: ...
+
+
+class RemoteLedger:
+    """The ``QuotaLimiter`` actor named ``name``, found or created on first use (and again after it failed)."""
+
+    def __init__(self, name: str, limits: Limits) -> None:
+        self._name = name
+        self._limits = limits
+        self._actor: Any = None
+
+    async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
+                    reports: list[Report]) -> Answer:
+        actor = await self._connected()
+        try:
+            return await actor.claim.remote(int(priority), tokens, max_wait_s, lease, reports)
+        except BaseException:
+            self._actor = None  # found again (or created anew) next time
+            raise
+
+    async def report(self, reports: list[Report]) -> None:
+        actor = await self._connected()
+        actor.report.remote(reports)
+
+    async def _connected(self) -> Any:
+        if self._actor is None:
+            import ray
+
+            if not ray.is_initialized():
+                raise RuntimeError("not running under Ray")
+            self._actor = await asyncio.to_thread(connect, self._name, self._limits)
+        return self._actor
+
+
+class QuotaPacer:
+    def __init__(self, limits: Limits, shared: SharedLedger, *, replicas: int, metrics: QuotaMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._shared = shared
+        self._clock = clock
+        self._metrics = metrics if metrics is not None else QuotaMetrics()
+        self._replicas = replicas
+        self._alone = QuotaBudget(limits.shared_by(replicas), clock())
+        self._alone_until: float | None = None  # set while the shared budget is unreachable
+        self._limited = limits.rpm is not None or limits.tpm is not None
+        self._reports: list[Report] = []
+        self._report_times: list[float] = []
+        self._lease = [0, 0]
+        self._lease_until = -math.inf
+        self._high_tokens = 0.0  # mean tokens of a HIGH call, for the lease's size
+
+    async def paced(self, inputs: Sequence[PacedInput],
+                    send: Callable[[], Awaitable[Sequence[Any]]]) -> Sequence[Any]:
+        """``send()``'s results once the budget holds this call; every input's 429 if it will not in time."""
+        first = inputs[0]
+        tokens = sum(item.tokens for item in inputs)
+        deadlines = [item.deadline for item in inputs]
+        max_wait_s = None if None in deadlines else max(deadlines) - asyncio.get_running_loop().time()
+        try:
+            await self._acquire(first.priority, tokens, max_wait_s)
+        except _NotInTime as exc:
+            self._metrics.refused(first.priority, len(inputs))
+            error = UpstreamRateLimited(
+                f"the upstream's quota will not hold this request within its deadline; retry in {exc.wait_s:.1f}s",
+                retry_after_s=exc.wait_s)
+            return [error] * len(inputs)
+        _CALL_STARTED.set(self._clock())
+        return await send()
+
+    def observe(self, headers: Mapping[str, str], refused_for_s: float | None) -> None:
+        """A response of the upstream (inside ``send``): its rate-limit headers, and a 429's delay if it was one."""
+        accounts = provider_accounts(headers)
+        if refused_for_s is not None:
+            self._metrics.upstream_rate_limited()
+            self._alone.refused(refused_for_s, self._clock())
+        if refused_for_s is None and not accounts and not self._limited:
+            return  # nothing to learn
+        self._reports.append(Report(accounts, 0.0, refused_for_s))
+        self._report_times.append(_CALL_STARTED.get(self._clock()))
+        del self._reports[:-MAX_REPORTS], self._report_times[:-MAX_REPORTS]
+        if refused_for_s is not None:  # the others wait for the next claim; this one stops every replica now
+            asyncio.get_running_loop().create_task(self._report_now())
+
+    # ---- claiming -------------------------------------------------------------------------------------------
+
+    async def _acquire(self, priority: Priority, tokens: int, max_wait_s: float | None) -> None:
+        started = self._clock()
+        if priority is Priority.HIGH:
+            self._high_tokens += (tokens - self._high_tokens) / 8 if self._high_tokens else tokens
+            if self._from_lease(tokens, started):
+                self._granted(priority, tokens, started)
+                return
+        deadline = None if max_wait_s is None else started + max_wait_s
+        while True:
+            left = None if deadline is None else deadline - self._clock()
+            claim = await self._claim(priority, tokens, left)
+            if claim.granted:
+                if claim.wait_s > 0:
+                    await asyncio.sleep(claim.wait_s)
+                self._granted(priority, tokens, started)
+                return
+            left = None if deadline is None else deadline - self._clock()
+            if left is not None and claim.wait_s > left:
+                raise _NotInTime(claim.wait_s)
+            await asyncio.sleep(max(MIN_POLL_S, claim.wait_s))
+
+    def _granted(self, priority: Priority, tokens: int, started: float) -> None:
+        self._metrics.used(priority, 1, tokens)
+        self._metrics.waited(priority, self._clock() - started)
+
+    def _from_lease(self, tokens: int, now: float) -> bool:
+        lease = self._lease
+        if now >= self._lease_until or lease[0] < 1 or lease[1] < tokens:
+            return False
+        lease[0] -= 1
+        lease[1] -= tokens
+        return True
+
+    async def _claim(self, priority: Priority, tokens: int, max_wait_s: float | None) -> Claim:
+        now = self._clock()
+        if not self._limited and not self._reports:
+            return Claim(True, 0.0)  # no limit known anywhere: nothing to pace
+        wants = (LEASE_CALLS, int(LEASE_CALLS * self._high_tokens)) if priority is Priority.HIGH else (0, 0)
+        if self._alone_until is None or now >= self._alone_until:
+            reports = self._take_reports(now)
+            try:
+                result = await asyncio.wait_for(self._shared.claim(priority, tokens, max_wait_s, wants, reports),
+                                                CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the replica paces alone
+                self._go_alone(exc)
+            else:
+                self._back(result)
+                return result.claim
+        return self._alone.claim(priority, tokens, self._clock(), max_wait_s=max_wait_s)
+
+    def _back(self, result: Answer) -> None:
+        if self._alone_until is not None:
+            logger.warning("quota: the shared budget answers again; this replica stops pacing alone")
+            self._metrics.fallback(False)
+            self._alone_until = None
+        self._limited = result.limited
+        for priority_name, amounts in result.remaining.items():
+            for kind, amount in amounts.items():
+                self._metrics.remaining(Priority[priority_name.upper()], kind, amount)
+        if result.claim.leased[0]:
+            self._lease = list(result.claim.leased)
+            self._lease_until = self._clock() + LEASE_TTL_S
+
+    def _go_alone(self, exc: BaseException) -> None:
+        first = self._alone_until is None
+        self._alone_until = self._clock() + ALONE_S
+        if first:
+            logger.warning("quota: the shared budget cannot be reached (%s: %s); this replica paces alone on 1/%d of "
+                           "the limits", type(exc).__name__, exc, self._replicas)
+            self._metrics.fallback(True)
+
+    def _take_reports(self, now: float) -> list[Report]:
+        reports = [report._replace(age_s=now - called_at)
+                   for report, called_at in zip(self._reports, self._report_times)]
+        self._reports, self._report_times = [], []
+        return reports
+
+    async def _report_now(self) -> None:
+        if self._alone_until is not None:
+            return
+        try:
+            await asyncio.wait_for(self._shared.report(self._take_reports(self._clock())), CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            self._go_alone(exc)
+
+
+class _NotInTime(Exception):
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"the budget holds the call in {wait_s:.3f}s")
+        self.wait_s = wait_s

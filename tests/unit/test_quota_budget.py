@@ -1,0 +1,152 @@
+"""The shared quota's arithmetic (deployments/quota/budget.py), on a made-up clock: every call is told the time."""
+
+from __future__ import annotations
+
+import pytest
+
+from batching import Priority
+from deployments.quota.budget import Account, Limits, QuotaBudget
+from deployments.quota.headers import duration_s, provider_accounts
+
+HIGH, LOW = Priority.HIGH, Priority.LOW
+
+
+def budget(rpm: int | None = None, tpm: int | None = 60_000, headroom: float = 1.0, low_share: float = 0.1,
+           ) -> QuotaBudget:
+    return QuotaBudget(Limits(rpm, tpm, headroom, low_share), now=0.0)
+
+
+def test_high_is_granted_at_once_while_the_bucket_holds_it_then_reserved_for_when_it_will() -> None:
+    quota = budget(tpm=60_000)  # 1,000 tokens a second
+    assert quota.claim(HIGH, 60_000, now=0.0) == (True, 0.0, (0, 0))
+    granted, wait_s, _ = quota.claim(HIGH, 500, now=0.0)
+    assert granted and wait_s == pytest.approx(0.5)
+    granted, wait_s, _ = quota.claim(HIGH, 500, now=0.25)  # behind the first reservation's debt
+    assert granted and wait_s == pytest.approx(0.75)
+
+
+def test_high_past_its_deadline_is_refused_with_when_it_would_be_held_and_takes_nothing() -> None:
+    quota = budget(tpm=60_000)
+    quota.claim(HIGH, 60_000, now=0.0)
+    assert quota.claim(HIGH, 2_000, now=0.0, max_wait_s=1.0) == (False, pytest.approx(2.0), (0, 0))
+    assert quota.claim(HIGH, 1_000, now=0.0, max_wait_s=1.0) == (True, pytest.approx(1.0), (0, 0))
+
+
+def test_low_leaves_high_a_reserve_so_high_never_waits_behind_it() -> None:
+    quota = budget(tpm=60_000, low_share=0.0)
+    taken = 0
+    while (claim := quota.claim(LOW, 1_000, now=0.0)).granted:
+        assert claim.wait_s == 0.0  # LOW never reserves ahead
+        taken += 1000
+    assert taken == 59_000  # a second of refill is kept back
+    assert claim.wait_s == pytest.approx(1.0)  # ask again when the refill covers it
+    assert quota.claim(HIGH, 1_000, now=0.0) == (True, 0.0, (0, 0))
+
+
+def test_the_reserve_grows_with_highs_recent_use() -> None:
+    quota = budget(tpm=600_000, low_share=0.0)  # 10,000 tokens a second
+    idle_reserve = quota.remaining(HIGH, now=0.0)["tokens"] - quota.remaining(LOW, now=0.0)["tokens"]
+    assert idle_reserve == pytest.approx(10_000)  # a second of refill
+    for second in range(30):  # HIGH takes 20,000 a second
+        quota.claim(HIGH, 20_000, now=float(second))
+    busy_reserve = quota.remaining(HIGH, now=30.0)["tokens"] - quota.remaining(LOW, now=30.0)["tokens"]
+    assert busy_reserve > 35_000  # two seconds of HIGH's use
+
+
+def test_low_gets_its_share_however_much_high_wants() -> None:
+    quota = budget(tpm=60_000, low_share=0.2)
+    quota.claim(HIGH, 60_000, now=0.0)
+    low_tokens = 0
+    for tick in range(1, 1201):  # two minutes in 0.1 s steps; HIGH asks for twice the quota
+        now = tick / 10
+        quota.claim(HIGH, 200, now=now)
+        claim = quota.claim(LOW, 500, now=now)
+        if claim.granted:
+            low_tokens += 500
+    # 20% of 120,000 tokens, and the credit it started with (20% of the bucket)
+    assert 24_000 <= low_tokens <= 24_000 + 12_000 + 500
+
+
+def test_pacing_never_overdraws_the_providers_own_bucket() -> None:
+    """A provider bucket of the full limit, charged as granted: it never goes below zero, and LOW fills the rest."""
+    tpm, rpm = 60_000, 600
+    quota = budget(rpm=rpm, tpm=tpm, headroom=0.95)
+    provider = {"tokens": float(tpm), "requests": float(rpm)}
+    sent_tokens = 0
+    for tick in range(1, 3001):  # five minutes, in 0.1 s steps; LOW asks every tick, HIGH every second
+        now = tick / 10
+        provider["tokens"] = min(tpm, provider["tokens"] + tpm / 600)
+        provider["requests"] = min(rpm, provider["requests"] + rpm / 600)
+        for priority, tokens in ((HIGH, 100 if tick % 10 == 0 else 0), (LOW, 400)):
+            if tokens and quota.claim(priority, tokens, now=now).granted:
+                provider["tokens"] -= tokens
+                provider["requests"] -= 1
+                sent_tokens += tokens
+                assert min(provider.values()) >= 0
+    assert sent_tokens >= 0.93 * tpm * 5  # 95% headroom, less the reserve kept back at the end
+
+
+def test_the_providers_remaining_lowers_the_level_less_what_was_granted_since() -> None:
+    quota = budget(tpm=60_000)
+    quota.claim(HIGH, 1_000, now=0.0)  # the call the provider reports on
+    quota.claim(HIGH, 9_000, now=0.5)  # granted after it
+    quota.follow({"tokens": Account(60_000, 20_000, None)}, called_at=0.1, now=1.0)
+    assert quota.remaining(HIGH, now=1.0)["tokens"] == pytest.approx(11_000)
+
+
+def test_the_providers_reset_bounds_the_level_too() -> None:
+    quota = budget(tpm=60_000)
+    quota.follow({"tokens": Account(60_000, None, 30.0)}, called_at=0.0, now=0.0)  # half a minute to be full
+    assert quota.remaining(HIGH, now=0.0)["tokens"] == pytest.approx(30_000)
+
+
+def test_a_lower_limit_the_provider_reports_replaces_the_configured_one_while_it_reports_it() -> None:
+    quota = budget(rpm=None, tpm=60_000)
+    quota.follow({"requests": Account(20, 20, None)}, called_at=0.0, now=0.0)  # a limit not configured
+    assert quota.limited and quota.remaining(HIGH, now=0.0)["requests"] == 20
+    for _ in range(20):
+        quota.claim(HIGH, 1, now=0.0)
+    assert quota.claim(HIGH, 1, now=0.0, max_wait_s=1.0) == (False, pytest.approx(3.0), (0, 0))  # 20 a minute
+    quota.follow({}, called_at=1.0, now=1.0)  # the provider stopped reporting it
+    assert quota.claim(HIGH, 1, now=1.0, max_wait_s=0.0).granted
+
+
+def test_a_429_stops_every_claim_for_its_retry_after() -> None:
+    quota = budget(rpm=600, tpm=60_000)
+    quota.refused(2.0, now=0.0)
+    assert quota.claim(HIGH, 10, now=0.0, max_wait_s=1.0).granted is False
+    assert quota.claim(HIGH, 10, now=0.0).wait_s >= 2.0
+
+
+def test_a_call_larger_than_the_bucket_is_sent_when_the_bucket_is_full() -> None:
+    quota = budget(tpm=1_000)
+    assert quota.claim(HIGH, 5_000, now=0.0) == (True, 0.0, (0, 0))
+
+
+def test_a_high_lease_is_granted_only_from_what_the_bucket_holds_now_and_at_most_two_percent() -> None:
+    quota = budget(rpm=6_000, tpm=600_000)
+    assert quota.claim(HIGH, 100, now=0.0, lease=(4, 400)).leased == (4, 400)
+    assert quota.claim(HIGH, 100, now=0.0, lease=(500, 400)).leased == (120, 400)  # 2% of 6,000
+    small = budget(rpm=20, tpm=60_000)
+    assert small.claim(HIGH, 100, now=0.0, lease=(4, 400)).leased == (0, 0)  # 2% of 20 is no whole call
+    quota.claim(HIGH, 599_000, now=0.0)
+    assert quota.claim(HIGH, 10, now=0.0, lease=(4, 400)).leased == (0, 0)
+
+
+def test_a_model_without_limits_grants_everything_and_is_not_limited() -> None:
+    quota = budget(rpm=None, tpm=None)
+    assert not quota.limited
+    assert quota.claim(LOW, 10**9, now=0.0) == (True, 0.0, (0, 0))
+
+
+def test_the_headers_of_openai_and_of_the_simulated_upstream_are_read() -> None:
+    accounts = provider_accounts({
+        "x-ratelimit-limit-requests": "3000", "x-ratelimit-remaining-requests": "2999",
+        "x-ratelimit-reset-requests": "20ms", "x-ratelimit-limit-tokens": "1000000",
+        "x-ratelimit-remaining-tokens": "999000", "x-ratelimit-reset-tokens": "6m0s",
+    })
+    assert accounts == {"requests": Account(3000, 2999, 0.02), "tokens": Account(1_000_000, 999_000, 360.0)}
+    assert provider_accounts({"x-ratelimit-remaining-tokens": "12"}) == {"tokens": Account(None, 12, None)}
+    assert provider_accounts({"content-type": "application/json"}) == {}
+    assert [duration_s(text) for text in ("1.5s", "2m3s", "1h", "0.250s", "soon", "3x")] == [
+        1.5, 123.0, 3600.0, 0.25, None, None]

@@ -1,0 +1,208 @@
+"""A replica's side of the quota (deployments/quota/pacer.py), on looptime's clock: claims, leases, refusals with a
+computed Retry-After, the provider's reports, and pacing alone while the shared budget is unreachable."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from batching import Priority
+from deployments.errors import UpstreamRateLimited
+from deployments.quota.budget import Limits, QuotaBudget
+from deployments.quota.limiter import Answer, Report, answer, apply_reports
+from deployments.quota.metrics import QuotaMetrics
+from deployments.quota.pacer import PacedInput, QuotaPacer
+
+pytestmark = pytest.mark.looptime
+
+HIGH, LOW = Priority.HIGH, Priority.LOW
+
+
+class InProcessLedger:
+    """The limiter actor's methods on a budget in this process, counting the calls."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.budget = QuotaBudget(limits, asyncio.get_running_loop().time())
+        self.claims = 0
+        self.reports: list[Report] = []
+
+    async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
+                    reports: list[Report]) -> Answer:
+        self.claims += 1
+        self.reports += reports
+        return answer(self.budget, priority, tokens, max_wait_s, lease, reports, asyncio.get_running_loop().time())
+
+    async def report(self, reports: list[Report]) -> None:
+        self.reports += reports
+        apply_reports(self.budget, reports, asyncio.get_running_loop().time())
+
+
+class Unreachable:
+    async def claim(self, *args: object) -> Answer:
+        raise ConnectionError("the limiter's node is gone")
+
+    async def report(self, reports: list[Report]) -> None:
+        raise ConnectionError("the limiter's node is gone")
+
+
+class Recorded(QuotaMetrics):
+    def __init__(self) -> None:
+        self.fallbacks: list[bool] = []
+        self.refusals = 0
+        self.upstream_429s = 0
+        self.waits: list[tuple[Priority, float]] = []
+
+    def fallback(self, active: bool) -> None:
+        self.fallbacks.append(active)
+
+    def refused(self, priority: Priority, count: int) -> None:
+        self.refusals += count
+
+    def upstream_rate_limited(self) -> None:
+        self.upstream_429s += 1
+
+    def waited(self, priority: Priority, seconds: float) -> None:
+        self.waits.append((priority, seconds))
+
+
+def pacer_on(ledger: object, limits: Limits, metrics: QuotaMetrics | None = None, replicas: int = 2) -> QuotaPacer:
+    loop = asyncio.get_running_loop()
+    return QuotaPacer(limits, ledger, replicas=replicas, metrics=metrics, clock=loop.time)
+
+
+def batch(priority: Priority, tokens: int, *, timeout_s: float | None = None, size: int = 2) -> list[PacedInput]:
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+    return [PacedInput(f"text {i}", tokens // size, priority, deadline) for i in range(size)]
+
+
+async def sent(inputs: list[PacedInput]) -> list[str]:
+    return [item.content for item in inputs]
+
+
+async def test_a_call_is_sent_once_the_shared_budget_holds_it() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    loop = asyncio.get_running_loop()
+    ledger.budget.claim(HIGH, 60_000, now=loop.time())  # spent: 1,000 tokens a second come back
+    inputs = batch(HIGH, 2_000)
+    assert await pacer.paced(inputs, lambda: sent(inputs)) == ["text 0", "text 1"]
+    assert loop.time() == pytest.approx(2.0)
+
+
+async def test_a_batch_the_budget_cannot_hold_before_its_deadline_is_429_with_when_it_could() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    metrics = Recorded()
+    pacer = pacer_on(ledger, limits, metrics)
+    ledger.budget.claim(HIGH, 60_000, now=asyncio.get_running_loop().time())
+    inputs = batch(HIGH, 5_000, timeout_s=2.0)
+
+    async def never() -> list[str]:
+        raise AssertionError("sent past its deadline")
+
+    outcomes = await pacer.paced(inputs, never)
+    assert [type(outcome) for outcome in outcomes] == [UpstreamRateLimited, UpstreamRateLimited]
+    assert outcomes[0].retry_after_s == pytest.approx(5.0)
+    assert metrics.refusals == 2
+
+
+async def test_low_waits_for_the_budget_inside_its_deadline_and_high_goes_first() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0, low_share=0.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    loop = asyncio.get_running_loop()
+    ledger.budget.claim(HIGH, 60_000, now=loop.time())
+    finished: dict[str, float] = {}
+
+    async def run(name: str, inputs: list[PacedInput]) -> None:
+        await pacer.paced(inputs, lambda: sent(inputs))
+        finished[name] = loop.time()
+
+    low = asyncio.create_task(run("low", batch(LOW, 3_000, timeout_s=30.0)))
+    await asyncio.sleep(0.5)
+    await run("high", batch(HIGH, 3_000))
+    await low
+    assert finished["high"] == pytest.approx(3.0)  # not behind LOW, which asked first
+    assert finished["low"] >= 7.0  # after HIGH's 3,000, its own 3,000 and a second kept back for HIGH
+
+
+async def test_high_calls_spend_a_lease_without_asking_the_shared_budget_each_time() -> None:
+    limits = Limits(rpm=6_000, tpm=600_000)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    for _ in range(6):
+        inputs = batch(HIGH, 100)
+        await pacer.paced(inputs, lambda: sent(inputs))
+    assert ledger.claims == 2  # each claim leased four more calls
+    assert ledger.budget.remaining(HIGH, now=asyncio.get_running_loop().time())["requests"] == pytest.approx(
+        5_400 - 10, abs=0.1)  # the leased calls were counted as spent
+
+
+async def test_an_unreachable_limiter_means_pacing_alone_on_an_equal_share_never_a_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)  # alone, one of 2 replicas: 30,000 a minute
+    metrics = Recorded()
+    pacer = pacer_on(Unreachable(), limits, metrics, replicas=2)
+    loop = asyncio.get_running_loop()
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        for _ in range(2):
+            inputs = batch(HIGH, 30_000)
+            assert await pacer.paced(inputs, lambda: sent(inputs)) == ["text 0", "text 1"]
+    assert loop.time() == pytest.approx(60.0)  # the second waited for its share to come back
+    assert metrics.fallbacks == [True]
+    assert [r.message for r in caplog.records if "cannot be reached" in r.message] == [
+        "quota: the shared budget cannot be reached (ConnectionError: the limiter's node is gone); this replica "
+        "paces alone on 1/2 of the limits"]
+
+
+async def test_the_providers_headers_reach_the_shared_budget_with_the_next_claim() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    inputs = batch(LOW, 100)
+
+    async def answered() -> list[str]:
+        await asyncio.sleep(0.2)
+        pacer.observe({"x-ratelimit-limit-tokens": "60000", "x-ratelimit-remaining-tokens": "1000"}, None)
+        return await sent(inputs)
+
+    await pacer.paced(inputs, answered)
+    assert ledger.budget.remaining(HIGH, now=asyncio.get_running_loop().time())["tokens"] > 50_000
+    await pacer.paced(batch(HIGH, 10), lambda: sent(inputs))
+    (report,) = ledger.reports
+    assert report.age_s == pytest.approx(0.2)
+    assert ledger.budget.remaining(HIGH, now=asyncio.get_running_loop().time())["tokens"] < 1_000
+
+
+async def test_an_upstream_429_is_counted_and_stops_the_shared_budget_at_once() -> None:
+    limits = Limits(rpm=600, tpm=None)
+    ledger = InProcessLedger(limits)
+    metrics = Recorded()
+    pacer = pacer_on(ledger, limits, metrics)
+    pacer.observe({}, 3.0)
+    await asyncio.sleep(0.01)
+    assert metrics.upstream_429s == 1
+    assert [report.refused_for_s for report in ledger.reports] == [3.0]
+    assert ledger.budget.claim(HIGH, 1, now=asyncio.get_running_loop().time(), max_wait_s=2.0).granted is False
+
+
+async def test_a_model_without_limits_is_not_paced_until_the_provider_reports_one() -> None:
+    limits = Limits(rpm=None, tpm=None)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    inputs = batch(HIGH, 100)
+    await pacer.paced(inputs, lambda: sent(inputs))
+    pacer.observe({"content-type": "application/json"}, None)  # no limit reported: nothing to learn
+    await pacer.paced(inputs, lambda: sent(inputs))
+    assert ledger.claims == 0
+    pacer.observe({"x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0"}, None)
+    await pacer.paced(inputs, lambda: sent(inputs))
+    assert ledger.claims == 1 and ledger.budget.limited
+
+
+def test_paced_inputs_are_equal_by_content_so_a_batch_sends_equal_inputs_once() -> None:
+    assert PacedInput("a", 1, HIGH, 1.0) == PacedInput("a", 1, HIGH, 2.0)
+    assert len({PacedInput("a", 1, HIGH, 1.0), PacedInput("a", 1, HIGH, None), PacedInput("b", 1, HIGH, 1.0)}) == 2
