@@ -200,6 +200,11 @@ class ModelConfig(_Section):
     onnx_cache_dir: Annotated[str | None, _rule(lambda v: isinstance(v, str), "be a directory path (a string)")] = None
     onnx_optimize: Annotated[bool, _rule(lambda v: isinstance(v, bool), "be true or false")] = False  # onnx only
     model_path: Text = None
+    default_prompt_name: Text = None  # local only: a request naming no prompt gets it (default: the model's own)
+    # local only: the shorter sizes the model was trained to keep its meaning in, that ``dimensions`` may ask for
+    matryoshka_dims: Annotated[tuple[int, ...] | None, _rule(
+        lambda v: isinstance(v, (list, tuple)) and bool(v) and all(_is_int(n) and n >= 1 for n in v),
+        "be a non-empty list of integers >= 1")] = None
     base_url: Text = Field(default=None, validate_default=True)
     api_key_env: Text = None
     upstream_model: Text = None
@@ -224,7 +229,8 @@ class ModelConfig(_Section):
             raise ValueError(f"must be a non-empty string without '#' or surrounding spaces, not {name!r}")
         return name
 
-    @field_validator("engine", "threads", "onnx_cache_dir", "onnx_optimize", mode="before")
+    @field_validator("engine", "threads", "onnx_cache_dir", "onnx_optimize", "default_prompt_name", "matryoshka_dims",
+                     mode="before")
     @classmethod
     def _local_only(cls, value: Any, info: ValidationInfo) -> Any:
         """Set only for the local backend, the onnx options only for its onnx engine; unset (None) or the default

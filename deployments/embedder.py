@@ -19,6 +19,7 @@ from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherSta
 
 from .autoscaling import QUEUE_DEPTH_METRIC
 from .backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
+from .backends.prompts import UnknownPrompt
 from .cache import CacheMetrics, make_cache
 from .config import ModelConfig
 from .errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
@@ -37,6 +38,8 @@ class EmbedRequest(NamedTuple):
     priority: Priority | str = Priority.HIGH  # a handle caller may name it: "high" or "low"
     timeout_s: float | None = None
     dimensions: int | None = None
+    prompt_name: str | None = None  # one of the model's prompts; or
+    input_type: str | None = None  # "query" | "document": the model's prompt for it, if any (backends/prompts.py)
 
 
 Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each input's token count
@@ -69,9 +72,12 @@ class EmbeddingModel:
         priority: Priority | str = Priority.HIGH,
         timeout_s: float | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
+        input_type: str | None = None,
     ) -> Embeddings:
-        """The vectors of ``texts`` in order, or a ``ServiceError`` naming the input at fault."""
-        return await self._embed(EmbedRequest(texts, priority, timeout_s, dimensions))
+        """The vectors of ``texts`` in order, or a ``ServiceError`` naming the input at fault. ``prompt_name`` or
+        ``input_type`` choose the model's prompt (neither: its default)."""
+        return await self._embed(EmbedRequest(texts, priority, timeout_s, dimensions, prompt_name, input_type))
 
     async def embed_many(
         self, requests: Sequence[EmbedRequest]
@@ -149,8 +155,9 @@ class EmbeddingModel:
         loop = asyncio.get_running_loop()
         started = loop.time()
         dimensions = self._output_size(request.dimensions)
+        prompt = self._prompt(request)
         batcher = self._batcher(dimensions)
-        prepared = self._within_token_limit(await self._backend.prepare_many(texts))
+        prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt))
         self._raise_first_failure(prepared)
         if timeout_s is not None:  # preparing the inputs took part of it
             timeout_s -= loop.time() - started
@@ -190,6 +197,15 @@ class EmbeddingModel:
                 param="dimensions",
             )
         return dimensions
+
+    def _prompt(self, request: EmbedRequest) -> str:
+        """The prompt's text, the same for every input of the request; applied before batching, so inputs of any
+        prompts share batches (and the cache keys each by its ids, the prompt's included)."""
+        try:
+            return self._backend.prompts.choose(request.prompt_name, request.input_type)
+        except UnknownPrompt as exc:
+            param = "prompt_name" if request.prompt_name is not None else "input_type"
+            raise InvalidRequest(f"model {self._model.name!r}: {exc}", param=param) from None
 
     def _within_token_limit(self, prepared: Sequence[Prepared | BaseException]) -> list[Prepared | BaseException]:
         """An input longer than ``max_input_tokens`` fails alone, before it costs an upstream call."""

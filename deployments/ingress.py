@@ -88,7 +88,8 @@ class _Routes:
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        embed = EmbedRequest(body.input, priority, _remaining(deadline), body.dimensions)
+        embed = EmbedRequest(body.input, priority, _remaining(deadline), body.dimensions, body.prompt_name,
+                             body.input_type)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")

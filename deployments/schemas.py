@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from batching import Priority
 
+from .backends.prompts import INPUT_TYPES
 from .config import MAX_INPUTS
 from .errors import InvalidRequest
 
@@ -31,6 +32,10 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: StrictStr | None = None
+    # Extensions (the openai client sends them in extra_body): the model's prompt by name (TEI's field), or the
+    # kind of input ("query" | "document") mapped to the model's prompt for it; neither: the model's default prompt.
+    prompt_name: StrictStr | None = None
+    input_type: Literal[INPUT_TYPES] | None = None  # type: ignore[valid-type]
 
     @field_validator("input")
     @classmethod

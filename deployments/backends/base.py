@@ -7,6 +7,8 @@ from typing import Hashable, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from .prompts import Prompts
+
 Item = Union[str, Sequence[int]]  # a text, or token ids (cl100k_base for the clients that send ids)
 
 
@@ -43,11 +45,12 @@ def _rebuild_upstream_error(message: str, status: int | None, retryable: bool,
 class EmbeddingBackend(ABC):
     """A model behind the service.
 
-    ``prepare_many`` turns each input into a ``Prepared`` once, when its request arrives; ``embed`` receives the
-    ``content`` of each input of a batch and returns, for each in order, a float32 vector or the exception that
-    failed that input alone. Raising instead fails the whole call: the batcher then splits the batch to find the
-    input at fault, so raise only for an error that may belong to one input (an upstream 400); report failures of
-    the call itself (429, 5xx, connection) in place, so they are retried without splitting.
+    ``prepare_many`` turns each input, with the request's prompt (one of ``prompts``) before it, into a ``Prepared``
+    once, when its request arrives; ``embed`` receives the ``content`` of each input of a batch and returns, for
+    each in order, a float32 vector or the exception that failed that input alone. Raising instead fails the whole
+    call: the batcher then splits the batch to find the input at fault, so raise only for an error that may belong
+    to one input (an upstream 400); report failures of the call itself (429, 5xx, connection) in place, so they are
+    retried without splitting.
     """
 
     @property
@@ -59,10 +62,15 @@ class EmbeddingBackend(ABC):
     def supports_dimensions(self, dimensions: int) -> bool:
         """Whether a request may ask for ``dimensions``-long vectors."""
 
+    @property
+    def prompts(self) -> Prompts:
+        """The model's named prompts and its default (none, unless the backend's model has some)."""
+        return Prompts()
+
     @abstractmethod
-    async def prepare_many(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
-        """Each item made ready to embed, or the reason it cannot be (``ItemRejected``: the caller's fault), in
-        place. Long inputs must not hold the event loop."""
+    async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
+        """Each item, ``prompt`` before it (a text ``prompts`` chose), made ready to embed, or the reason it cannot
+        be (``ItemRejected``: the caller's fault), in place. Long inputs must not hold the event loop."""
 
     @abstractmethod
     async def embed(

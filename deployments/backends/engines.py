@@ -1,8 +1,9 @@
-"""The engines that run the local model: ids in, unit vectors out. ``torch`` or ``onnx`` (ONNX Runtime), chosen
-per model entry; both compute ``normalize(mean over the attention mask of the last hidden state)``.
+"""The engines that run the local model: ids in, vectors out. ``torch`` or ``onnx`` (ONNX Runtime), chosen per model
+entry; both compute the model directory's pipeline (``torch_engine.SentenceEmbedder``).
 
 ``embed_sequences`` pads ids into batches for an engine: sorted by length, so texts of like length share a call and
-padding stays small, then put back in order.
+padding stays small, then put back in order. Padding goes on the side the model's tokenizer pads (the left for
+decoder embedders, whose last token is their vector).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ CHUNK_TOKENS = 256
 
 class Engine(Protocol):
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """int64 ``[n, length]`` ids and mask to float32 ``[n, dimension]`` rows of unit length."""
+        """int64 ``[n, length]`` ids and mask to float32 ``[n, dimension]`` rows (of unit length if the model
+        normalises)."""
 
 
 def default_threads() -> int:
@@ -55,7 +57,8 @@ def make_engine(
     raise ValueError(f"unknown engine {name!r}; choose onnx or torch")
 
 
-def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: int,
+                    left_padding: bool = False) -> np.ndarray:
     """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     rows: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
@@ -64,8 +67,9 @@ def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: 
         input_ids = np.full((len(chunk), length), pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(chunk), length), dtype=np.int64)
         for row, i in enumerate(chunk):
-            input_ids[row, : len(sequences[i])] = sequences[i]
-            attention_mask[row, : len(sequences[i])] = 1
+            place = slice(length - len(sequences[i]), length) if left_padding else slice(0, len(sequences[i]))
+            input_ids[row, place] = sequences[i]
+            attention_mask[row, place] = 1
         for i, vector in zip(chunk, engine.run(input_ids, attention_mask)):
             rows[i] = vector
     return np.stack(rows).astype(np.float32, copy=False) if rows else np.empty((0, 0), np.float32)

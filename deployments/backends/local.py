@@ -1,9 +1,12 @@
 """A sentence-transformers model on this machine's CPU; by default the packaged all-MiniLM-L6-v2.
 
-Each input is tokenized once, by ``prepare_many``, when its request arrives: its content is the tuple of ids the
-model embeds (special tokens included, truncated at the model's max sequence length as sentence-transformers
-truncates), its cost the word pieces among them. ``embed`` pads those ids into batches for the engine (``torch``
-or ``onnx``, see ``engines.py``).
+Each input is tokenized once, by ``prepare_many``, when its request arrives, with the request's prompt before it
+(``prompts.py``): its content is the tuple of ids the model embeds (the prompt's and special tokens included,
+truncated at the model's max sequence length as sentence-transformers truncates), its cost the tokens among them
+that are not special ones. So inputs with different prompts are different contents, which may share a batch, and
+the cache keys them apart. ``embed`` pads those ids into batches for the engine (``torch`` or ``onnx``, see
+``engines.py``); a Matryoshka size is the first values of the model's vector, normalised again if the model
+normalises.
 
 Two worker threads, so the replica's event loop never computes: one tokenizes (so a request is counted at once,
 never behind a running batch), one runs the model. The model's thread, and the engine threads it starts, run at
@@ -28,6 +31,7 @@ from ..cpu_priority import lowest_cpu_priority
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared
 from .engines import default_threads, embed_sequences, make_engine
 from .model_dir import ModelDir, packaged_model_path
+from .prompts import Prompts
 from .wordpieces import BoundedTokenizer
 
 T = TypeVar("T")
@@ -42,11 +46,20 @@ class LocalBackend(EmbeddingBackend):
         threads: int | None = None,
         onnx_cache_dir: str | Path | None = None,
         onnx_optimize: bool = False,
+        default_prompt_name: str | None = None,
+        matryoshka_dims: Sequence[int] = (),
         warm_up: bool = True,
     ) -> None:
+        """``default_prompt_name``: the prompt of a request that names none (default: the model's own);
+        ``matryoshka_dims``: the shorter sizes the model was trained to keep its meaning in."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the model is on disk
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         self.model = ModelDir.read(model_path or packaged_model_path())
+        self._prompts = Prompts(self.model.prompts, default_prompt_name or self.model.default_prompt_name)
+        too_long = [size for size in matryoshka_dims if size > self.model.dimension]
+        if too_long:
+            raise ValueError(f"matryoshka_dims {too_long} exceed the model's {self.model.dimension} dimensions")
+        self.matryoshka_dims = frozenset(matryoshka_dims)
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
@@ -64,21 +77,27 @@ class LocalBackend(EmbeddingBackend):
     def dimension(self) -> int:
         return self.model.dimension
 
-    def supports_dimensions(self, dimensions: int) -> bool:
-        # MiniLM was not trained to keep meaning in a prefix of its vector (Matryoshka), so truncating it would
-        # return vectors that look valid and are not: only the native size is offered.
-        return dimensions == self.model.dimension
+    @property
+    def prompts(self) -> Prompts:
+        return self._prompts
 
-    async def prepare_many(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
+    def supports_dimensions(self, dimensions: int) -> bool:
+        # A model not trained to keep its meaning in a prefix of its vector (Matryoshka), as MiniLM was not, would
+        # return truncated vectors that look valid and are not: only the sizes the model entry declares are offered.
+        return dimensions == self.model.dimension or dimensions in self.matryoshka_dims
+
+    async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
         if any(not isinstance(item, str) for item in items):
             await tokens.load_async(tokens.DEFAULT_ENCODING)  # ~1 s, once per process, on neither worker thread
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare_now, items)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare_now, items,
+                                                                prompt)
 
     async def embed(
         self, contents: Sequence[Hashable], dimensions: int | None = None
     ) -> Sequence[np.ndarray | BaseException]:
         if dimensions is not None and not self.supports_dimensions(dimensions):
-            raise ItemRejected(f"this model returns {self.model.dimension}-dimensional vectors only")
+            sizes = ", ".join(map(str, sorted({self.model.dimension, *self.matryoshka_dims})))
+            raise ItemRejected(f"this model returns vectors of {sizes} dimensions only")
         outcomes: list[np.ndarray | BaseException | None] = [
             None if isinstance(content, tuple) else TypeError("embed takes the contents prepare_many made")
             for content in contents
@@ -87,18 +106,20 @@ class LocalBackend(EmbeddingBackend):
         if not sequences:
             return outcomes  # type: ignore[return-value]
         vectors = await asyncio.get_running_loop().run_in_executor(self._model_thread, self._embed_now, sequences)
+        if dimensions is not None and dimensions != self.model.dimension:
+            vectors = self._shortened(vectors, dimensions)
         return _fill(outcomes, vectors)
 
     async def aclose(self) -> None:
         self._model_thread.shutdown(wait=False)
         self._tokenizer_thread.shutdown(wait=False)
 
-    def _prepare_now(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
+    def _prepare_now(self, items: Sequence[Item], prompt: str) -> list[Prepared | BaseException]:
         texts: list[str] = []
         outcomes: list[Prepared | BaseException | None] = []
         for item in items:
             try:
-                texts.append(_as_text(item))
+                texts.append(prompt + _as_text(item))
                 outcomes.append(None)
             except ItemRejected as exc:
                 outcomes.append(exc)
@@ -106,7 +127,14 @@ class LocalBackend(EmbeddingBackend):
         return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
 
     def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id))
+        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding))
+
+    def _shortened(self, vectors: Sequence[np.ndarray], dimensions: int) -> list[np.ndarray]:
+        """The first ``dimensions`` values of each vector, of unit length again if the model normalises."""
+        rows = np.stack(vectors)[:, :dimensions]
+        if self.model.normalize:
+            rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        return list(rows.astype(np.float32, copy=False))
 
 
 def _fill(outcomes: list[T | None], results: Sequence[T]) -> list[T]:

@@ -1,4 +1,5 @@
-"""The local model in ONNX Runtime, fp32: ``MeanPooled`` (transformer, mean pooling, normalisation) exported once.
+"""The local model in ONNX Runtime, fp32: ``SentenceEmbedder`` (transformer, pooling, Dense layers, normalisation, as
+the model directory says) exported once.
 
 The export is cached in ``<cache dir>/<model fingerprint>-<recipe>/model.onnx`` (default cache dir
 ``~/.cache/adaptive-embeddings/onnx``). Replicas starting together take a file lock, so one exports while the
@@ -25,7 +26,7 @@ import onnxruntime as ort
 
 from .model_dir import ModelDir
 
-RECIPE = "meanpooled-eager-opset17-v1"  # change it whenever the export changes: old caches are then not used
+RECIPE = "st-pipeline-eager-opset17-v2"  # change it whenever the export changes: old caches are then not used
 INPUTS, OUTPUT = ("input_ids", "attention_mask"), "embedding"
 _CPU = ["CPUExecutionProvider"]
 
@@ -70,16 +71,20 @@ def cached_export(model: ModelDir, cache_dir: Path, optimize: bool = False) -> P
 
 
 def export(model: ModelDir, target: Path) -> None:
-    """``MeanPooled`` to ONNX with dynamic batch and sequence axes, through torch's TorchScript exporter. Eager
-    attention traces to plain MatMul/Softmax, which ORT fuses; the vectors match torch's to ~2e-7."""
+    """``SentenceEmbedder`` to ONNX with dynamic batch and sequence axes, through torch's TorchScript exporter.
+    Eager attention traces to plain MatMul/Softmax, which ORT fuses; the vectors match torch's to ~1e-6. The
+    example batch is padded on the model's side, so the trace takes the attention-mask path it will run."""
     import torch
 
-    from .torch_engine import load_mean_pooled
+    from .torch_engine import load_embedder
 
-    module = load_mean_pooled(model, attn_implementation="eager")
+    module = load_embedder(model, attn_implementation="eager")
     input_ids = torch.arange(16, dtype=torch.int64).reshape(2, 8)
     attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, 5:] = 0
+    if model.left_padding:
+        attention_mask[1, :3] = 0
+    else:
+        attention_mask[1, 5:] = 0
     axes = {0: "batch", 1: "sequence"}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation notice and tracer warnings on constant shapes

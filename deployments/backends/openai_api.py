@@ -79,8 +79,9 @@ class OpenAIBackend(EmbeddingBackend):
     def supports_dimensions(self, dimensions: int) -> bool:
         return dimensions > 0  # the upstream decides; a refusal comes back as a 400 for the input
 
-    async def prepare_many(self, items: Sequence[Item]) -> list[Prepared | BaseException]:
-        """The text as it is, or the ids as a tuple, each costing its tokens in the upstream model's encoding."""
+    async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
+        """The text as it is, or the ids as a tuple, each costing its tokens in the upstream model's encoding. An
+        upstream API has no prompts here (``prompts`` names none), so ``prompt`` is always empty."""
         if sum(len(item) for item in items) <= INLINE_PREPARE_SIZE:
             return self._prepare_all(items)
         return await asyncio.to_thread(self._prepare_all, items)

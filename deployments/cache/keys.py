@@ -2,7 +2,8 @@
 
 A key hashes the namespace (schema version, model entry, what the backend says its vectors depend on — the model's
 files and engine, or the upstream's URL and model — and the output ``dimensions``), then the input's encoding (text
-or token ids) and the input itself as the model receives it (``Prepared.content``). A changed model, upstream model
+or token ids) and the input itself as the model receives it (``Prepared.content``: for the local model its ids, the
+request's prompt's included, so one text under two prompts has two keys). A changed model, upstream model
 or size changes every key, so an old vector is never found again; equal inputs under one namespace share one key.
 Keys are hex digests: no text of the input can be read back from a key.
 """

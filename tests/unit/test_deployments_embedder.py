@@ -11,6 +11,7 @@ import pytest
 
 from batching import BatcherConfig, BatcherMetrics, DeadlineExceeded, Overloaded
 from deployments.backends import ItemRejected, Prepared, UpstreamError
+from deployments.backends.prompts import Prompts
 from deployments.config import ModelConfig
 from deployments.embedder import EmbeddingModel, EmbedRequest
 from deployments.errors import InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceUnavailable, UpstreamFailed
@@ -29,6 +30,8 @@ class FakeBackend:
         self.failing_text = "upstream-down"
         self.closed = False
 
+    prompts = Prompts((("query", "query: "), ("passage", "passage: ")))
+
     @property
     def dimension(self) -> int:
         return DIM
@@ -36,9 +39,9 @@ class FakeBackend:
     def supports_dimensions(self, dimensions: int) -> bool:
         return dimensions <= DIM
 
-    async def prepare_many(self, items) -> list:
-        return [Prepared(item, len(item.split())) if isinstance(item, str) else Prepared(tuple(item), len(item))
-                for item in items]
+    async def prepare_many(self, items, prompt: str = "") -> list:
+        return [Prepared(prompt + item, len((prompt + item).split())) if isinstance(item, str)
+                else Prepared(tuple(item), len(item)) for item in items]
 
     async def embed(self, items: Sequence, dimensions: int | None = None) -> list:
         self.calls.append((list(items), dimensions))

@@ -184,16 +184,6 @@ def test_the_engines_compute_on_the_backends_threads(onnx_backend, torch_backend
     assert torch.get_num_threads() == torch_backend.threads
 
 
-def test_a_model_that_does_not_pool_by_mean_is_refused_by_name(tmp_path: Path) -> None:
-    (tmp_path / "modules.json").write_text(
-        '[{"path": "", "type": "sentence_transformers.models.Transformer"},'
-        ' {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]')
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
-    with pytest.raises(ValueError, match="pools by mean, and this model pools by cls_token"):
-        ModelDir.read(tmp_path)
-
-
 @pytest.mark.parametrize(("entry", "problem"), [
     ({"engine": "tensorrt"}, "models[0].engine: must be one of onnx, torch, not 'tensorrt'"),
     ({"threads": 0}, "models[0].threads: must be an integer >= 1"),
