@@ -2,10 +2,12 @@
 
 from .batcher import AdaptiveBatcher
 from .config import BatcherConfig, Priority
-from .decorator import adaptive_batch
-from .errors import BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, Overloaded, is_retryable
+from .decorator import adaptive_batch, batch_options
+from .errors import (BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded,
+                     is_retryable)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, FixedWait, WaitPolicy
+from .serve_compat import batch
 from .stats import BatcherStats
 
 __all__ = [
@@ -19,9 +21,12 @@ __all__ = [
     "DeadlineExceeded",
     "DepthScaledWait",
     "FixedWait",
+    "ItemTooLarge",
     "Overloaded",
     "Priority",
     "WaitPolicy",
     "adaptive_batch",
+    "batch",
+    "batch_options",
     "is_retryable",
 ]

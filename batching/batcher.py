@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from .config import BatcherConfig, Priority
 from .counting import CountingMetrics
-from .errors import BatcherClosed, BatchResultMismatch, DeadlineExceeded, Overloaded, is_retryable, retry_after_s
+from .errors import (BatcherClosed, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded, is_retryable,
+                     retry_after_s)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, WaitPolicy
 from .queue import Item, ItemState, Lanes
@@ -27,6 +29,7 @@ P = TypeVar("P")
 R = TypeVar("R")
 T = TypeVar("T")
 ProcessFn = Callable[[list[P]], Awaitable[Sequence["R | BaseException"]]]
+BatchCostFn = Callable[[list[P]], float]
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +50,23 @@ class AdaptiveBatcher(Generic[P, R]):
         *,
         wait_policy: WaitPolicy | None = None,
         cost_fn: Callable[[P], float] | None = None,
+        batch_cost_fn: BatchCostFn | None = None,
         metrics: BatcherMetrics | None = None,
         name: str = "default",
     ) -> None:
+        """``cost_fn`` measures one item and a batch costs the sum; ``batch_cost_fn`` measures a whole batch (e.g.
+        its longest text times its length, what padding costs), asked again for each item that might join it."""
+        if cost_fn is not None and batch_cost_fn is not None:
+            raise ValueError("give cost_fn or batch_cost_fn, not both")
         self.name = name
         self._process = process_fn
         self._config = config
         self._custom_policy = wait_policy
-        self._policy = DispatchPolicy(config, wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor))
+        self._policy = DispatchPolicy(config, wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor),
+                                      batch_cost_fn)
+        self._pending: tuple[BatcherConfig, WaitPolicy | None] | None = None  # settings for after the next batch
         self._cost_fn = cost_fn
+        self._batch_cost_fn = batch_cost_fn
         self._metrics = CountingMetrics(metrics if metrics is not None else _NO_METRICS)
         self._lanes = Lanes()
         self._delayed: set[Item] = set()
@@ -76,20 +87,50 @@ class AdaptiveBatcher(Generic[P, R]):
     def config(self) -> BatcherConfig:
         return self._config
 
-    def reconfigure(self, **changes: Any) -> None:
-        """Change settings at run time (validated like the constructor); queued items keep their place."""
-        self._config = config = dataclasses.replace(self._config, **changes)
-        self._policy.config = config
-        if self._custom_policy is None:
-            self._policy.wait_policy = DepthScaledWait(config.max_wait_ms, config.scale_factor)
+    @property
+    def wait_policy(self) -> WaitPolicy:
+        return self._policy.wait_policy
+
+    def reconfigure(self, *, wait_policy: WaitPolicy | None = None, from_next_batch: bool = False,
+                    **changes: Any) -> None:
+        """Change settings at run time (validated like the constructor); queued items keep their place.
+
+        ``wait_policy`` replaces the wait policy (without one ever given, a depth-scaled wait follows
+        ``max_wait_ms`` and ``scale_factor``). With ``from_next_batch``, the batch filling now keeps the settings it
+        started with and the new ones apply once it has left (what ``@serve.batch``'s setters do)."""
+        config, policy = self._pending or (self._config, self._custom_policy)
+        config = dataclasses.replace(config, **changes)
+        policy = wait_policy or policy
+        if from_next_batch and len(self._lanes):
+            self._pending = (config, policy)
+            return
+        self._pending = None
+        self._apply(config, policy)
         if self._loop is not None:
             self._pump()
+
+    def _apply(self, config: BatcherConfig, wait_policy: WaitPolicy | None) -> None:
+        self._config = self._policy.config = config
+        self._custom_policy = wait_policy
+        self._policy.wait_policy = wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor)
 
     async def submit(self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None) -> R:
         self._admit(1, priority, timeout_s)
         items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
         self._pump()
         return await self._wait_for(items, deadline_timer, items[0].future)
+
+    def submit_nowait(
+        self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None
+    ) -> "asyncio.Future[R]":
+        """Queue one item without waiting for it: the future ends as ``submit`` would return or raise. Cancelling the
+        future withdraws the item (never sent if still queued; a result on its way is dropped)."""
+        self._admit(1, priority, timeout_s)
+        items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
+        future = items[0].future
+        future.add_done_callback(functools.partial(self._nowait_done, items, deadline_timer))
+        self._pump()
+        return future
 
     async def submit_many(
         self,
@@ -158,6 +199,13 @@ class AdaptiveBatcher(Generic[P, R]):
         await self.aclose(drain=True)
 
     # ---- waiting ------------------------------------------------------------------------------------------------
+
+    def _nowait_done(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None,
+                     future: asyncio.Future) -> None:
+        if deadline_timer is not None:
+            deadline_timer.cancel()
+        if future.cancelled():
+            self._abandon(items)
 
     async def _wait_for(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None,
                         waiting: Awaitable[T]) -> T:
@@ -229,15 +277,22 @@ class AdaptiveBatcher(Generic[P, R]):
 
     def _pump(self) -> None:
         """Send every batch the policy allows now; otherwise arm the timer for when one could be ready."""
-        config, lanes, policy = self._config, self._lanes, self._policy
+        lanes, policy = self._lanes, self._policy
+        if self._pending is not None and not len(lanes):
+            self._apply(*self._pending)
+            self._pending = None
         now = self._loop.time()
-        while len(lanes) and self._in_flight < config.max_concurrent_batches:
+        while len(lanes) and self._in_flight < self._config.max_concurrent_batches:
+            config = self._config
             decision = policy.choose(lanes, self._in_flight, self._closing, now)
             if decision.lane is None:
                 self._arm_timer(decision.wake_at)
                 return
-            batch = lanes[decision.lane].take(config.max_batch_size, config.max_batch_cost)
+            batch = lanes[decision.lane].take(config.max_batch_size, config.max_batch_cost, self._batch_cost_fn)
             policy.dispatched(lanes, decision, len(batch))
+            if self._pending is not None:  # the batch that was filling has left
+                self._apply(*self._pending)
+                self._pending = None
             self._dispatch(batch, decision.reason, now)
 
     def _arm_timer(self, when: float) -> None:
@@ -259,7 +314,7 @@ class AdaptiveBatcher(Generic[P, R]):
                 self._expire(item)
             else:
                 live.append(item)
-        if not live:
+        if not live or (len(live) == 1 and self._refused_as_oversized(live[0])):
             return
         self._in_flight += 1
         self._mean_batch += (len(live) - self._mean_batch) * _LATENCY_EWMA
@@ -268,6 +323,17 @@ class AdaptiveBatcher(Generic[P, R]):
         task = self._loop.create_task(self._run_batch(live))
         self._tasks[task] = live
         task.add_done_callback(self._batch_done)
+
+    def _refused_as_oversized(self, item: Item) -> bool:
+        """With ``refuse_oversized``, an item that alone costs more than the budget fails instead of travelling."""
+        budget = self._config.max_batch_cost
+        if not self._config.refuse_oversized or budget is None:
+            return False
+        cost = self._batch_cost_fn([item.payload]) if self._batch_cost_fn is not None else item.cost
+        if cost <= budget:
+            return False
+        item.settle(error=ItemTooLarge(f"an item of cost {cost} is over the batch budget of {budget}"))
+        return True
 
     def _batch_done(self, task: asyncio.Task) -> None:
         del self._tasks[task]
@@ -306,7 +372,8 @@ class AdaptiveBatcher(Generic[P, R]):
             results = await self._call(payloads)
         except Exception as exc:
             self._record_latency(started)
-            if len(payloads) > 1 and (isinstance(exc, _BatchTimedOut) or not is_retryable(exc)):
+            if len(payloads) > 1 and self._config.split_on_failure and (
+                    isinstance(exc, _BatchTimedOut) or not is_retryable(exc)):
                 self._metrics.batch_split(self.name)
                 half = len(payloads) // 2
                 first = await self._attempt([item for item, slot in zip(live, slots) if slot < half])

@@ -23,6 +23,11 @@ class BatcherClosed(BatcherError):
     """The batcher is closed (or closed without draining while the item was queued)."""
 
 
+class ItemTooLarge(BatcherError, RuntimeError):
+    """With ``refuse_oversized``, an item that alone costs more than ``max_batch_cost`` (a RuntimeError, as
+    ``@serve.batch`` raises for it)."""
+
+
 class BatchResultMismatch(BatcherError):
     """The process function returned a result list whose length differs from its input."""
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import math
 from collections import deque
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from .config import Priority
 
@@ -74,6 +75,18 @@ class Item:
         return True
 
 
+class _HeadBatch:
+    """The batch at a lane's head as far as a whole-batch cost function has measured it."""
+
+    __slots__ = ("version", "payloads", "scanned", "full")
+
+    def __init__(self, version: int) -> None:
+        self.version = version  # the lane's version it was measured at; pushes alone keep it valid
+        self.payloads: list[Any] = []
+        self.scanned = 0  # deque positions looked at
+        self.full = False
+
+
 class Lane:
     """One priority's items, oldest first. A removed item stays in the deque, marked, until it reaches the front."""
 
@@ -84,6 +97,8 @@ class Lane:
         self.last_arrival = -math.inf
         self.mean_gap: float | None = None
         self._items: deque[Item] = deque()
+        self._version = 0  # changes whenever anything but a push changes the items or their positions
+        self._head_batch: _HeadBatch | None = None
 
     def push(self, item: Item, max_gap_s: float) -> None:
         """A new arrival: it is the youngest item. Gaps count up to ``max_gap_s`` toward the lane's pace."""
@@ -98,6 +113,7 @@ class Lane:
     def put_back(self, item: Item) -> None:
         """An item queued again (a retry) takes the place its first arrival gave it, so the head stays the oldest."""
         self._add(item)
+        self._version += 1
         items = self._items
         if not items or items[-1].seq < item.seq:
             items.append(item)
@@ -108,36 +124,75 @@ class Lane:
         """Account for a queued item that left without being dispatched (cancelled, expired)."""
         self.depth -= 1
         self.cost -= item.cost
+        self._version += 1
 
     def head(self) -> Item | None:
         items = self._items
         while items and items[0].state is not ItemState.QUEUED:
             items.popleft()
+            self._version += 1
         return items[0] if items else None
 
-    def take(self, max_size: int, max_cost: float | None) -> list[Item]:
+    def take(self, max_size: int, max_cost: float | None,
+             measure: Callable[[list[Any]], float] | None = None) -> list[Item]:
         """Pop up to ``max_size`` items, stopping before the one that would push the cost past ``max_cost``
-        (an item that alone costs more travels alone)."""
+        (an item that alone costs more travels alone). The cost is the sum of the items' costs, or ``measure`` of
+        the batch's payloads."""
         batch: list[Item] = []
+        payloads: list[Any] = []
         cost = 0.0
         while len(batch) < max_size:
             item = self.head()
-            if item is None or (max_cost is not None and batch and cost + item.cost > max_cost):
+            if item is None:
                 break
+            if max_cost is not None:
+                if measure is None:
+                    grown = cost + item.cost
+                else:
+                    payloads.append(item.payload)
+                    grown = measure(payloads)
+                if batch and grown > max_cost:
+                    break
+                cost = grown
             self._items.popleft()
             self.discard(item)
             item.send()
-            cost += item.cost
             batch.append(item)
             if max_cost is not None and cost >= max_cost:
                 break
         return batch
+
+    def head_full(self, measure: Callable[[list[Any]], float], max_cost: float) -> bool:
+        """Under a whole-batch cost: the batch at the head reaches ``max_cost``, or the next item would pass it.
+        Measured incrementally: an arrival costs one call of ``measure``, as long as nothing else changed."""
+        head_batch = self._head_batch
+        if head_batch is None or head_batch.version != self._version:
+            self.head()  # drop removed items from the front first, so positions stay put while pushes come
+            head_batch = self._head_batch = _HeadBatch(self._version)
+        if head_batch.full:
+            return True
+        payloads = head_batch.payloads
+        for item in itertools.islice(self._items, head_batch.scanned, None):
+            head_batch.scanned += 1
+            if item.state is not ItemState.QUEUED:
+                continue
+            payloads.append(item.payload)
+            cost = measure(payloads)
+            if cost > max_cost and len(payloads) > 1:
+                payloads.pop()
+                head_batch.full = True
+                break
+            if cost >= max_cost:
+                head_batch.full = True
+                break
+        return head_batch.full
 
     def drain(self) -> list[Item]:
         """Pop every queued item."""
         items = [item for item in self._items if item.state is ItemState.QUEUED]
         self._items.clear()
         self.depth, self.cost = 0, 0.0
+        self._version += 1
         return items
 
     def _add(self, item: Item) -> None:

@@ -13,7 +13,7 @@ take a batch from and why, or the moment to ask again. Admission limits live her
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from .config import BatcherConfig, Priority
 from .policies import WaitPolicy
@@ -33,9 +33,11 @@ class Decision(NamedTuple):
 
 
 class DispatchPolicy:
-    def __init__(self, config: BatcherConfig, wait_policy: WaitPolicy) -> None:
+    def __init__(self, config: BatcherConfig, wait_policy: WaitPolicy,
+                 batch_cost_fn: Callable[[list[Any]], float] | None = None) -> None:
         self.config = config
         self.wait_policy = wait_policy
+        self._batch_cost_fn = batch_cost_fn
         # Items LOW may still send ahead of ready HIGH work (or into the last slot); it grows by low_share/(1 -
         # low_share) for every HIGH item dispatched while LOW waits, and shrinks by what such a LOW batch carries.
         self._low_credit = 0.0
@@ -89,7 +91,9 @@ class DispatchPolicy:
         config = self.config
         if depth >= config.max_batch_size:
             return "size", now
-        if config.max_batch_cost is not None and lane.cost > config.max_batch_cost:
+        if config.max_batch_cost is not None and (
+                lane.cost > config.max_batch_cost if self._batch_cost_fn is None
+                else lane.head_full(self._batch_cost_fn, config.max_batch_cost)):
             return "cost", now
         head = lane.head()
         reason, wake_at = "time", head.enqueued_at + self.wait_policy.wait_s(depth)

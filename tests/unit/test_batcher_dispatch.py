@@ -193,3 +193,52 @@ async def test_stall_window_widens_with_depth_so_steady_traffic_does_not_cut_a_f
     await asyncio.gather(*tasks)
     assert process.calls == [list(range(50))]  # 4 mean gaps alone would have cut it at item 40
     assert batcher.stats().flushes == {"stall": 1}
+
+
+# ---- a whole-batch cost -------------------------------------------------------------------------------------------
+
+
+def padded(texts: list[str]) -> int:
+    """What a batch costs once padded to its longest text."""
+    return max(map(len, texts)) * len(texts)
+
+
+async def test_a_whole_batch_cost_fills_a_batch_until_the_next_item_would_pass_the_budget():
+    process = FakeProcess(answer=len)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_cost=8, max_wait_ms=1000, **FORMULA_ONLY),
+                              batch_cost_fn=padded)
+    texts = ["aa", "bb", "c", "dddd", "e"]
+    assert await asyncio.gather(*(batcher.submit(t) for t in texts)) == [2, 2, 1, 4, 1]
+    # ["aa","bb","c"] costs 6; with "dddd" 16: it leaves at once on cost, then ["dddd","e"] (8, full) leaves too
+    assert process.calls == [["aa", "bb", "c"], ["dddd", "e"]]
+    assert process.started_at == [0.0, 0.0]
+    assert batcher.stats().flushes == {"cost": 2}
+
+
+async def test_a_whole_batch_cost_is_measured_again_when_an_item_leaves_the_head_batch():
+    process = FakeProcess(answer=len)
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_cost=8, max_wait_ms=1000, **FORMULA_ONLY),
+                              wait_policy=FixedWait(1.0), batch_cost_fn=padded)
+    kept = asyncio.ensure_future(batcher.submit("b"))
+    gone = asyncio.ensure_future(batcher.submit("aaa"))
+    await asyncio.sleep(0.1)  # ["b", "aaa"] costs 6: not full
+    gone.cancel()
+    await asyncio.sleep(0.1)
+    last = asyncio.ensure_future(batcher.submit("ccc"))  # ["b", "ccc"] costs 6, not the 9 of a stale measure
+    assert await asyncio.gather(kept, last) == [1, 3]
+    assert process.calls == [["b", "ccc"]]
+    assert process.started_at == [pytest.approx(1.0)]  # on time, not on cost
+
+
+async def test_cost_fn_and_batch_cost_fn_together_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        AdaptiveBatcher(FakeProcess(), cost_fn=len, batch_cost_fn=padded)
+
+
+async def test_a_new_wait_policy_replaces_the_wait():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=25), wait_policy=FixedWait(0.5))
+    batcher.reconfigure(wait_policy=FixedWait(0.2))
+    start = now()
+    await batcher.submit("a")
+    assert process.started_at[0] - start == pytest.approx(0.2)

@@ -1,0 +1,110 @@
+"""Streaming handlers: a batch's async generator yields one list per step, and each entry goes to its own caller.
+
+A handler ``async def f(self, items: list) -> AsyncIterator[list]`` runs once per batch; every list it yields holds
+one entry per item, in the batch's order. ``fan_out`` hands each entry to its caller's ``Stream``; an entry that is
+``StopIteration`` or ``StopAsyncIteration`` (the class) ends that caller's stream. A caller that has gone (cancelled,
+past its deadline) is skipped, and once every caller has gone the generator is closed. An error raised before the
+first step is the batch's failure, for the batcher to retry or split (nothing reached anyone); after it, every open
+stream of the batch ends with that error, as ``@serve.batch`` does, and so does a step of the wrong length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, AsyncIterator, Sequence
+
+from .errors import BatchResultMismatch
+
+_END = object()  # a stream's end: no more values, and no error
+
+
+class Stream:
+    """One caller's stream: the values its batch's steps sent, then its end (an error, or none)."""
+
+    __slots__ = ("_values", "_waiter", "_end", "future")
+
+    def __init__(self) -> None:
+        self._values: deque[Any] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._end: object = None
+        self.future: asyncio.Future | None = None  # the item's: done once the caller may have no more values
+
+    @property
+    def open(self) -> bool:
+        return self._end is None and not (self.future is not None and self.future.done())
+
+    def push(self, value: Any) -> None:
+        self._values.append(value)
+        self._wake()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self._end is None:
+            self._end = _END if error is None else error
+            self._wake()
+
+    def item_done(self, future: asyncio.Future) -> None:
+        """The item settled: a result means the stream has ended; an error ends it with that error."""
+        self.finish(None if future.cancelled() else future.exception())
+
+    async def next(self) -> Any:
+        """The next value; ``StopAsyncIteration`` at the end, or the error the stream ended with."""
+        while not self._values:
+            end = self._end
+            if end is not None:
+                raise StopAsyncIteration if end is _END else end  # type: ignore[misc]
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._values.popleft()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+async def fan_out(steps: AsyncIterator[Sequence[Any]], streams: list[Stream]) -> list[None]:
+    """Run a batch's generator to its end, sending each step's entries to their streams."""
+    started = False
+    try:
+        async for step in steps:
+            if len(step) != len(streams):
+                raise BatchResultMismatch(f"the handler yielded {len(step)} results for a batch of {len(streams)}")
+            started = True
+            callers = 0
+            for stream, value in zip(streams, step):
+                if stream.open:
+                    if value is StopIteration or value is StopAsyncIteration:
+                        stream.finish()
+                    else:
+                        stream.push(value)
+                        callers += 1
+            if not callers:  # every caller has gone: no one is left to compute for
+                break
+    except Exception as exc:
+        if not started and not isinstance(exc, BatchResultMismatch):  # a handler's bug: no split or retry hides it
+            raise
+        for stream in streams:
+            stream.finish(exc)
+    finally:
+        await steps.aclose()  # type: ignore[attr-defined]
+    for stream in streams:
+        stream.finish()
+    return [None] * len(streams)
+
+
+async def consume(stream: Stream) -> AsyncIterator[Any]:
+    """The caller's side: its values as they come. Leaving early withdraws its item from the batch."""
+    try:
+        while True:
+            try:
+                value = await stream.next()
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        if stream.future is not None and not stream.future.done():
+            stream.future.cancel()
+
