@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from load.workload import pseudo_sentences
 
+PROBES = ("hello", "The lighthouse keeper counted the ships.", "Ünïcödé, accents and 東京タワー", "a " * 400,
+          "numbers 3.14159 and e-mail@example.com!", *pseudo_sentences(10, 150, seed=5))
 HIDDEN = 32
 MAX_SEQ_LENGTH = 64  # short, so that the long probes are truncated
 QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "  # bge's
@@ -72,6 +74,15 @@ def make(spec: TinyEncoder, root: Path, seed: int = 0) -> Path:
 def make_all(root: Path) -> dict[str, Path]:
     """Every ``TINY_ENCODERS`` directory under ``root``, by name."""
     return {spec.name: make(spec, root, seed) for seed, spec in enumerate(TINY_ENCODERS)}
+
+
+def tokens_embedded(reference: Any, texts: Sequence[str]) -> list[int]:
+    """What sentence-transformers model ``reference`` feeds its transformer for each text (truncated), less the
+    tokens its tokenizer adds to any text ([CLS] and [SEP], an end-of-text token): what ``usage`` counts."""
+    tokenizer = reference.tokenizer
+    added = len(tokenizer("")["input_ids"])
+    ids = tokenizer(list(texts), truncation=True, max_length=reference.max_seq_length)["input_ids"]
+    return [len(row) - added for row in ids]
 
 
 def _transformer(architecture: str, target: Path) -> None:

@@ -21,14 +21,13 @@ from deployments.cache.keys import CacheKeys
 from deployments.config import ConfigError, ModelConfig, parse_app_config
 from deployments.embedder import EmbeddingModel
 from deployments.ingress import create_api
-from load.tiny_encoders import TINY_ENCODERS, make_all
-from load.workload import pseudo_sentences
+from load.tiny_encoders import PROBES as TINY_PROBES
+from load.tiny_encoders import TINY_ENCODERS, make_all, tokens_embedded
 from tests.reliability.inprocess import InProcessHandle
 
 ENGINES = ("torch", "onnx")
 SPECS = {spec.name: spec for spec in TINY_ENCODERS}
-PROBES = ["hello", "The lighthouse keeper counted the ships.", "Ünïcödé, accents and 東京タワー", "a " * 400,
-          "numbers 3.14159 and e-mail@example.com!", *pseudo_sentences(10, 150, seed=5)]
+PROBES = list(TINY_PROBES)
 
 
 @pytest.fixture(scope="session")
@@ -72,14 +71,6 @@ async def embedded(backend: LocalBackend, texts: list[str], prompt: str = "", di
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-
-
-def tokens_embedded(reference, texts: list[str]) -> list[int]:
-    """What sentence-transformers feeds its model for each text, less the tokens its tokenizer adds to any text."""
-    tokenizer = reference.tokenizer
-    added = len(tokenizer("")["input_ids"])
-    ids = tokenizer(texts, truncation=True, max_length=reference.max_seq_length)["input_ids"]
-    return [len(row) - added for row in ids]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
