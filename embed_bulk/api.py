@@ -28,9 +28,12 @@ _RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the SDK numbers each attempt 
 
 @dataclass(frozen=True)
 class Failure:
-    id: DocId
+    """A row that failed; `id` None and its input `line` for a line that held no document."""
+
+    id: DocId | None
     message: str
     status: int | None = None
+    line: int | None = None
 
 
 @dataclass

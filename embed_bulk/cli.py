@@ -6,27 +6,37 @@ import asyncio
 import sys
 from typing import IO
 
+from embed_bulk.api import Failure
 from embed_bulk.documents import InputError
+from embed_bulk.interrupt import Interruption
 from embed_bulk.job import BulkJob, Summary
+from embed_bulk.lock import OutputBusy
 from embed_bulk.settings import BulkSettings, parse_args, sidecar
 from embed_bulk.store import StoreError
 
 FAILURES_LISTED = 20
+EXIT_BUSY = 75  # EX_TEMPFAIL (sysexits.h): another run holds the output; a later try will do
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 all rows embedded, 1 some rows failed, 2 unusable input or output, 130 interrupted."""
+    """Exit status: 0 all rows embedded, 1 some rows failed, 2 unusable input or output, 75 another run is writing
+    the output, 130 / 143 stopped by SIGINT / SIGTERM (`embed_bulk.interrupt`)."""
     settings = parse_args(argv)
     job = BulkJob(settings)
+    interruption = Interruption(settings.grace_s, job.stop)
     try:
-        summary = asyncio.run(job.run())
-    except KeyboardInterrupt:
-        job.summary.interrupted = True
+        summary = interruption.run(job.run())
+    except asyncio.CancelledError:  # the grace ran out with requests still in flight
         summary = job.summary
+    except OutputBusy as error:
+        print(f"embed-bulk: {error}", file=sys.stderr)
+        return EXIT_BUSY
     except (InputError, StoreError, OSError) as error:
         print(f"embed-bulk: {error}", file=sys.stderr)
         return 2
     print_summary(summary, settings, sys.stderr)
+    if summary.interrupted and interruption.exit_status is not None:
+        return interruption.exit_status
     return summary.exit_code
 
 
@@ -47,7 +57,7 @@ def summary_lines(summary: Summary, settings: BulkSettings) -> list[str]:
         lines.append(f"  upstream calls: {summary.upstream_calls}")
     if summary.failures:
         lines.append(f"  failed rows (all in {settings.failures_path}):")
-        lines.extend(f"    {failure.id!r}: {failure.message}" for failure in summary.failures[:FAILURES_LISTED])
+        lines.extend(f"    {_failed_row(failure)}" for failure in summary.failures[:FAILURES_LISTED])
         if len(summary.failures) > FAILURES_LISTED:
             lines.append(f"    ... and {len(summary.failures) - FAILURES_LISTED} more")
     if summary.interrupted:
@@ -55,6 +65,11 @@ def summary_lines(summary: Summary, settings: BulkSettings) -> list[str]:
     else:
         lines.append(f"  output: {_output_names(settings)}")
     return lines
+
+
+def _failed_row(failure: Failure) -> str:
+    """A failed row by its id; a line that held no document by its message, which names the line."""
+    return failure.message if failure.id is None else f"{failure.id!r}: {failure.message}"
 
 
 def _output_names(settings: BulkSettings) -> str:

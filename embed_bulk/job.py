@@ -1,9 +1,11 @@
-"""A bulk run: read the input, skip what the output already holds, embed the rest with bounded concurrency,
-save every finished batch before taking the next, and account for every row."""
+"""A bulk run: hold the output's lock, read the input, skip what the output already holds, embed the rest with
+bounded concurrency, save every finished batch before taking the next, and account for every row. `stop()` (a
+signal) ends it early: no new batch is taken, the batches in flight finish."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -18,8 +20,11 @@ from tqdm import tqdm
 
 from embed_bulk.api import BatchOutcome, CallCounters, EmbeddingsClient, Failure, make_openai_client
 from embed_bulk.documents import DocId, Document, read_documents, unique_ids
+from embed_bulk.lock import output_lock
 from embed_bulk.settings import BulkSettings
 from embed_bulk.store import EmbeddingStore, open_store
+
+CLIENT_CLOSE_S = 1.0
 
 
 @dataclass
@@ -33,7 +38,7 @@ class Summary:
     wall_s: float = 0.0
     calls: CallCounters = field(default_factory=CallCounters)
     upstream_calls: int | None = None
-    interrupted: bool = False
+    interrupted: bool = False  # rows were left undone because the run was stopped
 
     @property
     def rows_per_s(self) -> float:
@@ -72,12 +77,21 @@ class Recorder:
     def _write_failures(self, failures: Sequence[Failure]) -> None:
         with self._failures_path.open("a", encoding="utf-8") as file:
             for failure in failures:
-                row = {"id": failure.id, "error": failure.message, "status": failure.status}
+                row = {"id": failure.id, "line": failure.line, "error": failure.message, "status": failure.status}
                 file.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+@dataclass
+class Stop:
+    """Set by `BulkJob.stop` (from a signal handler: it only flips a flag); `cut_short` once a worker left a batch."""
+
+    requested: bool = False
+    cut_short: bool = False
+
+
 class BulkJob:
-    """Runs once: `await job.run()`; `job.summary` stays readable if the run is interrupted."""
+    """Runs once: `await job.run()`; `job.summary` stays readable if the run is interrupted. `OutputBusy` if another
+    run holds the output."""
 
     def __init__(
         self,
@@ -91,11 +105,20 @@ class BulkJob:
         self._transport = transport
         self._stderr = stderr if stderr is not None else sys.stderr
         self._started = time.monotonic()
+        self._stop = Stop()
+
+    def stop(self) -> None:
+        """Take no new batch; those in flight finish and are saved, and the run ends interrupted."""
+        self._stop.requested = True
 
     async def run(self) -> Summary:
+        with output_lock(self.settings.output_path):
+            return await self._run()
+
+    async def _run(self) -> Summary:
         settings, summary = self.settings, self.summary
         self._started = time.monotonic()
-        input_ids = unique_ids(self._documents())
+        input_ids, malformed = unique_ids(self._documents())
         store = open_store(settings, input_ids)
         done = store.recover()
         if store.dropped_bytes:
@@ -104,16 +127,21 @@ class BulkJob:
                 "its rows are embedded again",
                 file=self._stderr,
             )
-        summary.total = len(input_ids)
+        summary.total = len(input_ids) + malformed
         summary.skipped = sum(1 for doc_id in input_ids if doc_id in done)
         settings.failures_path.unlink(missing_ok=True)  # failed rows are not done: this run tries them again
         try:
             upstream_before = await self._upstream_calls()
-            async with make_openai_client(settings, summary.calls, self._transport) as client:
+            client = make_openai_client(settings, summary.calls, self._transport)
+            try:
                 with self._progress_bar(summary) as progress, ThreadPoolExecutor(1, "embed-bulk-save") as saving:
                     await self._embed_all(client, Recorder(store, saving, settings, summary, progress), done)
-            summary.upstream_calls = _difference(await self._upstream_calls(), upstream_before)
-            store.finish()
+            finally:
+                await _close(client)
+            summary.interrupted = self._stop.cut_short
+            if not summary.interrupted:
+                summary.upstream_calls = _difference(await self._upstream_calls(), upstream_before)
+                store.finish()
         except (asyncio.CancelledError, KeyboardInterrupt):
             summary.interrupted = True
             raise
@@ -129,14 +157,15 @@ class BulkJob:
         try:
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self.settings.concurrency):
-                    workers.create_task(_work(batches, pacer, embeddings, recorder))
+                    workers.create_task(_work(batches, pacer, embeddings, recorder, self._stop))
         except ExceptionGroup as group:
             raise group.exceptions[0] from None
 
     def _documents(self) -> Iterator[Document]:
         settings = self.settings
         return read_documents(
-            settings.input_path, jsonl=settings.reads_jsonl, id_field=settings.id_field, text_field=settings.text_field
+            settings.input_path, jsonl=settings.reads_jsonl, id_field=settings.id_field,
+            text_field=settings.text_field, strict=settings.strict,
         )
 
     def _progress_bar(self, summary: Summary) -> tqdm:
@@ -197,15 +226,29 @@ class Pacer:
             await asyncio.sleep(turn - now)
 
 
-async def _work(batches: Iterator[list[Document]], pacer: Pacer, client: EmbeddingsClient, recorder: Recorder) -> None:
-    """One of `concurrency` workers sharing the batch iterator: embed a batch, save it, take the next."""
+async def _work(
+    batches: Iterator[list[Document]], pacer: Pacer, client: EmbeddingsClient, recorder: Recorder, stop: Stop
+) -> None:
+    """One of `concurrency` workers sharing the batch iterator: embed a batch, save it, take the next; after a stop,
+    no next (nor one taken while waiting for its turn)."""
     for batch in batches:
         sendable = [document for document in batch if document.problem is None]
-        if sendable:
+        if sendable and not stop.requested:
             await pacer.wait_turn(len(sendable))
+        if stop.requested:
+            stop.cut_short = True
+            return
         outcome = await client.embed(sendable) if sendable else BatchOutcome()
-        outcome.failed.extend(Failure(doc.id, doc.problem) for doc in batch if doc.problem is not None)
+        outcome.failed.extend(Failure(doc.id, doc.problem, line=doc.line) for doc in batch if doc.problem is not None)
         await recorder.record(outcome)
+
+
+async def _close(client: openai.AsyncOpenAI) -> None:
+    """Closes the client's connections, waiting `CLIENT_CLOSE_S` at most: aiohttp waits for each to close, and one
+    still holding bytes for a peer that stopped reading them (a stalled service) never does."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CLIENT_CLOSE_S):
+            await client.close()
 
 
 def _difference(after: int | None, before: int | None) -> int | None:

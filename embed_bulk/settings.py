@@ -42,6 +42,8 @@ class BulkSettings:
     dimensions: int | None = None
     progress: ProgressMode = "auto"
     stats_url: str | None = None
+    grace_s: float = 5.0  # after SIGINT/SIGTERM: how long the requests in flight may take to finish and be saved
+    strict: bool = False  # a malformed input line ends the run before it starts, instead of failing alone
 
     def __post_init__(self) -> None:
         checks = {
@@ -50,6 +52,7 @@ class BulkSettings:
             "max_rate must be None or > 0": self.max_rate is None or self.max_rate > 0,
             "max_retries must be >= 0": self.max_retries >= 0,
             "timeouts must be > 0": min(self.timeout_s, self.connect_timeout_s) > 0,
+            "grace must be >= 0": self.grace_s >= 0,
             "dimensions must be None or >= 1": self.dimensions is None or self.dimensions >= 1,
             f"output must end in one of {', '.join(OUTPUT_KINDS)}": self.output_path.suffix.lower() in OUTPUT_KINDS,
             "input and output must be different files": self.input_path.resolve() != self.output_path.resolve(),
@@ -124,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stats-url", default=None, help="a JSON endpoint counting upstream 'calls' (e.g. load.upstream's /stats)"
+    )
+    parser.add_argument(
+        "--grace", dest="grace_s", type=float, default=defaults.grace_s,
+        help="seconds the requests in flight get to finish after SIGINT/SIGTERM (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--strict", action="store_true",
+        help="exit 2 at the first malformed input line, before embedding anything (default: it fails alone)",
     )
     return parser
 

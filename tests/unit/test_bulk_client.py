@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse
 from embed_bulk import BulkJob, BulkSettings, Summary, main
 from embed_bulk.api import failing_index
 from embed_bulk.documents import Document, InputError, read_documents
+from embed_bulk.lock import OutputBusy, output_lock
 
 DIM = 8
 Reply = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
@@ -378,7 +379,7 @@ def test_jsonl_rows_read_wide_integer_ids_skip_blank_lines_and_name_the_line_tha
                        (b'{"id": 1, "text": "\xff"}\n', r"line 1: not valid JSON \(not UTF-8\)")):
         path.write_bytes(bad)
         with pytest.raises(InputError, match=error):
-            list(read_documents(path, jsonl=True))
+            list(read_documents(path, jsonl=True, strict=True))
 
 
 @pytest.mark.looptime
@@ -577,3 +578,57 @@ async def test_max_rate_spaces_the_batches_sent(tmp_path: Path) -> None:
 
     assert summary.exit_code == 0 and summary.embedded == 20
     assert [round(at - start, 6) for at in sent_at] == [0.0, 0.5, 1.0, 1.5]  # 4 workers, batches of 5, 10 docs/s
+
+
+async def test_a_stopped_run_saves_the_batches_in_flight_takes_no_more_and_a_rerun_completes_it(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(60))
+    config = settings(tmp_path, "out.npy", concurrency=3)
+    first = FakeEmbeddingsAPI(delays_s=(0.01,))
+    job = BulkJob(config, transport=first.transport(), stderr=io.StringIO())
+    task = asyncio.create_task(job.run())
+    while first.served < 2:
+        await asyncio.sleep(0.001)
+
+    job.stop()
+    summary = await task
+
+    assert summary.interrupted and summary.exit_code == 130
+    assert first.served == first.calls and summary.embedded == 5 * first.served < 60, "the ones in flight finished"
+    assert not (tmp_path / "out.npy").exists() and (tmp_path / "out.npy.partial.jsonl").exists()
+    second = FakeEmbeddingsAPI()
+    assert (await run(config, second)).exit_code == 0
+    assert sum(second.inputs.values()) == 60 - summary.embedded
+    assert np.array_equal(np.load(tmp_path / "out.npy"), np.stack([vector_of(text) for text in texts(60)]))
+
+
+async def test_a_run_on_an_output_another_run_holds_is_refused_naming_its_pid(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", texts(5))
+    config = settings(tmp_path)
+    api = FakeEmbeddingsAPI()
+    with output_lock(config.output_path):
+        assert (tmp_path / "out.jsonl.lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(OutputBusy, match=f"another embed-bulk run \\(pid {os.getpid()}\\)"):
+            await run(config, api)
+    assert api.calls == 0 and not (tmp_path / "out.jsonl").exists()
+
+    assert (await run(config, api)).exit_code == 0
+    assert not (tmp_path / "out.jsonl.lock").exists(), "a run that finishes removes its lock file"
+
+
+async def test_malformed_lines_fail_alone_with_their_line_numbers_unless_strict(tmp_path: Path) -> None:
+    (tmp_path / "docs.txt").write_bytes(b"alpha\n\xff bad byte\nbeta\n")
+    summary = await run(settings(tmp_path, input_path=tmp_path / "docs.txt"), FakeEmbeddingsAPI())
+    assert summary.exit_code == 1 and summary.embedded == 2
+    assert [(f.id, f.line, f.message) for f in summary.failures] == [(2, 2, "line 2: not UTF-8")]
+
+    (tmp_path / "docs.jsonl").write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": \n{"id": true, "text": "b"}\n')
+    summary = await run(settings(tmp_path, "out.npy"), FakeEmbeddingsAPI())
+    assert (summary.total, summary.embedded) == (3, 1)
+    listed = [json.loads(line) for line in (tmp_path / "out.npy.failures.jsonl").read_text().splitlines()]
+    assert [(row["id"], row["line"]) for row in listed] == [(None, 2), (None, 3)]
+    assert listed[0]["error"].startswith("line 2: not valid JSON") and "'id' must be" in listed[1]["error"]
+    assert not (tmp_path / "out.npy.partial.jsonl").exists(), "a line holding no document is no missing row"
+
+    with pytest.raises(InputError, match="line 2: not valid JSON"):
+        await run(settings(tmp_path, "strict.npy", strict=True), FakeEmbeddingsAPI())
+    assert not (tmp_path / "strict.npy.partial.jsonl").exists()
