@@ -28,7 +28,8 @@ def make_pacer(model: "ModelConfig", metrics: "QuotaMetrics | None" = None) -> Q
     limits = (Limits(None, None) if quota is None
               else Limits(quota.rpm, quota.tpm, headroom=quota.headroom, low_share=quota.low_share))
     name = limiter_name(_application(), model.deployment_name, limits)
-    return QuotaPacer(limits, RemoteLedger(name, limits), replicas=_max_replicas(model), metrics=metrics)
+    return QuotaPacer(limits, RemoteLedger(name, limits), replicas=_max_replicas(model), metrics=metrics,
+                      max_wait_s=model.batcher.batch_timeout_s)
 
 
 def _application() -> str:

@@ -133,6 +133,7 @@ class _Bucket:
 
     def relearn(self, limit: int | None) -> None:
         """The provider reports ``limit`` (None: no longer reports one); the level keeps what it has spent."""
+        limit = limit if limit else None  # a limit of 0 would be no budget at all: read as none reported
         if limit == self.learned:
             return
         spent = self.capacity - self.level if self.limit is not None else 0.0
@@ -185,6 +186,14 @@ class QuotaBudget:
                 return Claim(True, wait)
             return Claim(False, wait)
         return Claim(False, min(free_wait, credit_wait))
+
+    def release(self, tokens: int, now: float, requests: int = 1) -> None:
+        """A granted call that was never sent gives back what it took."""
+        self._advance(now)
+        for kind, amount in zip(KINDS, (requests, tokens)):
+            bucket = self._buckets[kind]
+            if bucket.limit is not None:
+                bucket.level = min(bucket.capacity, bucket.level + min(amount, bucket.capacity))
 
     def remaining(self, priority: Priority, now: float) -> dict[str, float]:
         """What a claim of ``priority`` could take now, per limit (a LOW claim: above HIGH's reserve)."""

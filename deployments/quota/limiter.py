@@ -49,6 +49,9 @@ class QuotaLimiter:
     async def report(self, reports: list[Report]) -> None:
         apply_reports(self._budget, reports, time.monotonic())
 
+    async def release(self, tokens: int) -> None:
+        self._budget.release(tokens, time.monotonic())
+
 
 def answer(budget: QuotaBudget, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
            reports: list[Report], now: float) -> Answer:

@@ -14,6 +14,7 @@ Retry-After is when the budget will hold them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import logging
 import math
@@ -23,7 +24,7 @@ from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequen
 from batching import Priority
 
 from ..errors import UpstreamRateLimited
-from .budget import Claim, Limits, QuotaBudget
+from .budget import Account, Claim, Limits, QuotaBudget
 from .headers import provider_accounts
 from .limiter import Answer, Report, connect
 from .metrics import QuotaMetrics
@@ -66,42 +67,80 @@ class SharedLedger(Protocol):
 
     async def report(self, reports: list[Report]) -> None: ...
 
+    async def release(self, tokens: int) -> None: ...
+
 
 class RemoteLedger:
-    """The ``QuotaLimiter`` actor named ``name``, found or created on first use (and again after it failed)."""
+    """The ``QuotaLimiter`` actor named ``name``: found or created from the start (in a thread: creating an actor
+    takes a worker's start-up, longer than a claim may wait), and again once it is known to have died.
+
+    The handle is kept until then, whatever else fails: the actor lives while some replica holds a handle to it, so a
+    replica that dropped its handle on a slow answer could end the budget for every replica."""
 
     def __init__(self, name: str, limits: Limits) -> None:
         self._name = name
         self._limits = limits
         self._actor: Any = None
+        self._connecting: concurrent.futures.Future | None = None
+        self._connect()
 
     async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
                     reports: list[Report]) -> Answer:
         actor = await self._connected()
         try:
             return await actor.claim.remote(int(priority), tokens, max_wait_s, lease, reports)
-        except BaseException:
-            self._actor = None  # found again (or created anew) next time
+        except Exception as exc:
+            self._forget_if_dead(exc)
             raise
 
     async def report(self, reports: list[Report]) -> None:
         actor = await self._connected()
         actor.report.remote(reports)
 
-    async def _connected(self) -> Any:
-        if self._actor is None:
-            import ray
+    async def release(self, tokens: int) -> None:
+        actor = await self._connected()
+        actor.release.remote(tokens)
 
-            if not ray.is_initialized():
-                raise RuntimeError("not running under Ray")
-            self._actor = await asyncio.to_thread(connect, self._name, self._limits)
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized() and self._connecting is None:
+            self._connecting = _CONNECTING.submit(connect, self._name, self._limits)
+
+    async def _connected(self) -> Any:
+        if self._actor is not None:
+            return self._actor
+        self._connect()
+        if self._connecting is None:
+            raise RuntimeError("not running under Ray")
+        connecting = self._connecting
+        try:  # shielded: a claim that stops waiting leaves the handle to the next one
+            self._actor = await asyncio.shield(asyncio.wrap_future(connecting))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._connecting = None  # tried again next time
+            raise
         return self._actor
+
+    def _forget_if_dead(self, exc: Exception) -> None:
+        from ray.exceptions import ActorDiedError
+
+        if isinstance(exc, ActorDiedError):
+            self._actor = self._connecting = None  # the next claim finds its successor, or creates it
+
+
+_CONNECTING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quota-connect")
 
 
 class QuotaPacer:
     def __init__(self, limits: Limits, shared: SharedLedger, *, replicas: int, metrics: QuotaMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_wait_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_wait_s``: the longest a call may wait for the budget whatever its deadline (a batcher's
+        ``batch_timeout_s`` counts the wait: a longer one would time the batch out)."""
         self._shared = shared
+        self._max_wait_s = max_wait_s
+        self._call_s = 0.0  # an upstream call's recent duration
         self._clock = clock
         self._metrics = metrics if metrics is not None else QuotaMetrics()
         self._replicas = replicas
@@ -120,7 +159,12 @@ class QuotaPacer:
         first = inputs[0]
         tokens = sum(item.tokens for item in inputs)
         deadlines = [item.deadline for item in inputs]
-        max_wait_s = None if None in deadlines else max(deadlines) - asyncio.get_running_loop().time()
+        limits = [self._max_wait_s]
+        if None not in deadlines:
+            limits.append(max(deadlines) - asyncio.get_running_loop().time())
+        known = [limit for limit in limits if limit is not None]
+        # granted only if it is sent in time for its answer to be: the call's own time is kept free
+        max_wait_s = min(known) - self._call_s if known else None
         try:
             await self._acquire(first.priority, tokens, max_wait_s)
         except _NotInTime as exc:
@@ -129,19 +173,29 @@ class QuotaPacer:
                 f"the upstream's quota will not hold this request within its deadline; retry in {exc.wait_s:.1f}s",
                 retry_after_s=exc.wait_s)
             return [error] * len(inputs)
-        _CALL_STARTED.set(self._clock())
-        return await send()
+        started = self._clock()
+        _CALL_STARTED.set(started)
+        try:
+            return await send()
+        finally:
+            took = self._clock() - started
+            self._call_s += (took - self._call_s) / 8 if self._call_s else took
 
     def observe(self, headers: Mapping[str, str], refused_for_s: float | None) -> None:
         """A response of the upstream (inside ``send``): its rate-limit headers, and a 429's delay if it was one."""
         accounts = provider_accounts(headers)
+        now = self._clock()
+        called_at = _CALL_STARTED.get(now)
         if refused_for_s is not None:
             self._metrics.upstream_rate_limited()
-            self._alone.refused(refused_for_s, self._clock())
+            self._alone.refused(refused_for_s, now)
+        if accounts or self._alone.limited:  # alone, a replica counts on an equal share of what the provider says
+            self._alone.follow({kind: _share(account, self._replicas) for kind, account in accounts.items()},
+                               called_at, now)
         if refused_for_s is None and not accounts and not self._limited:
             return  # nothing to learn
         self._reports.append(Report(accounts, 0.0, refused_for_s))
-        self._report_times.append(_CALL_STARTED.get(self._clock()))
+        self._report_times.append(called_at)
         del self._reports[:-MAX_REPORTS], self._report_times[:-MAX_REPORTS]
         if refused_for_s is not None:  # the others wait for the next claim; this one stops every replica now
             asyncio.get_running_loop().create_task(self._report_now())
@@ -158,10 +212,14 @@ class QuotaPacer:
         deadline = None if max_wait_s is None else started + max_wait_s
         while True:
             left = None if deadline is None else deadline - self._clock()
-            claim = await self._claim(priority, tokens, left)
+            claim, shared = await self._claim(priority, tokens, left)
             if claim.granted:
                 if claim.wait_s > 0:
-                    await asyncio.sleep(claim.wait_s)
+                    try:
+                        await asyncio.sleep(claim.wait_s)
+                    except asyncio.CancelledError:  # never sent: what it reserved goes back
+                        self._release(tokens, shared)
+                        raise
                 self._granted(priority, tokens, started)
                 return
             left = None if deadline is None else deadline - self._clock()
@@ -181,10 +239,11 @@ class QuotaPacer:
         lease[1] -= tokens
         return True
 
-    async def _claim(self, priority: Priority, tokens: int, max_wait_s: float | None) -> Claim:
+    async def _claim(self, priority: Priority, tokens: int, max_wait_s: float | None) -> tuple[Claim, bool]:
+        """The claim's answer, and whether the shared budget gave it."""
         now = self._clock()
         if not self._limited and not self._reports:
-            return Claim(True, 0.0)  # no limit known anywhere: nothing to pace
+            return Claim(True, 0.0), False  # no limit known anywhere: nothing to pace
         wants = (LEASE_CALLS, int(LEASE_CALLS * self._high_tokens)) if priority is Priority.HIGH else (0, 0)
         if self._alone_until is None or now >= self._alone_until:
             reports = self._take_reports(now)
@@ -195,8 +254,21 @@ class QuotaPacer:
                 self._go_alone(exc)
             else:
                 self._back(result)
-                return result.claim
-        return self._alone.claim(priority, tokens, self._clock(), max_wait_s=max_wait_s)
+                return result.claim, True
+        return self._alone.claim(priority, tokens, self._clock(), max_wait_s=max_wait_s), False
+
+    def _release(self, tokens: int, shared: bool) -> None:
+        if not shared:
+            self._alone.release(tokens, self._clock())
+            return
+
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(self._shared.release(tokens), CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a reservation lost costs a moment of the budget, nothing more
+                pass
+
+        asyncio.get_running_loop().create_task(release())
 
     def _back(self, result: Answer) -> None:
         if self._alone_until is not None:
@@ -232,6 +304,13 @@ class QuotaPacer:
             await asyncio.wait_for(self._shared.report(self._take_reports(self._clock())), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             self._go_alone(exc)
+
+
+def _share(account: Account, replicas: int) -> Account:
+    def part(count: int | None) -> int | None:
+        return None if count is None else count // replicas
+
+    return Account(part(account.limit), part(account.remaining), account.reset_s)
 
 
 class _NotInTime(Exception):

@@ -38,6 +38,9 @@ class InProcessLedger:
         self.reports += reports
         apply_reports(self.budget, reports, asyncio.get_running_loop().time())
 
+    async def release(self, tokens: int) -> None:
+        self.budget.release(tokens, asyncio.get_running_loop().time())
+
 
 class Unreachable:
     async def claim(self, *args: object) -> Answer:
@@ -67,9 +70,10 @@ class Recorded(QuotaMetrics):
         self.waits.append((priority, seconds))
 
 
-def pacer_on(ledger: object, limits: Limits, metrics: QuotaMetrics | None = None, replicas: int = 2) -> QuotaPacer:
+def pacer_on(ledger: object, limits: Limits, metrics: QuotaMetrics | None = None, replicas: int = 2,
+             max_wait_s: float | None = None) -> QuotaPacer:
     loop = asyncio.get_running_loop()
-    return QuotaPacer(limits, ledger, replicas=replicas, metrics=metrics, clock=loop.time)
+    return QuotaPacer(limits, ledger, replicas=replicas, metrics=metrics, max_wait_s=max_wait_s, clock=loop.time)
 
 
 def batch(priority: Priority, tokens: int, *, timeout_s: float | None = None, size: int = 2) -> list[PacedInput]:
@@ -129,6 +133,38 @@ async def test_low_waits_for_the_budget_inside_its_deadline_and_high_goes_first(
     assert finished["low"] >= 7.0  # after HIGH's 3,000, its own 3,000 and a second kept back for HIGH
 
 
+async def test_a_call_cancelled_while_it_waits_for_its_reservation_gives_it_back() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    loop = asyncio.get_running_loop()
+    ledger.budget.claim(HIGH, 60_000, now=loop.time())
+    inputs = batch(HIGH, 10_000)
+    waiting = asyncio.create_task(pacer.paced(inputs, lambda: sent(inputs)))
+    await asyncio.sleep(1.0)
+    waiting.cancel()  # its batch timed out, or every caller gave up
+    await asyncio.sleep(0.01)
+    assert ledger.budget.remaining(HIGH, now=loop.time())["tokens"] == pytest.approx(1_010, abs=1)
+
+
+async def test_no_call_waits_longer_than_the_pacers_cap_and_its_own_last_duration() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits, max_wait_s=0.5)  # e.g. the batcher's batch_timeout_s
+    inputs = batch(HIGH, 2_000, timeout_s=30.0)  # more than a lease holds (2% of the bucket)
+
+    async def slow() -> list[str]:
+        await asyncio.sleep(0.2)
+        return await sent(inputs)
+
+    await pacer.paced(inputs, slow)  # leaves 57,000 (with a lease of 1,200)
+    ledger.budget.claim(HIGH, 55_400, now=asyncio.get_running_loop().time())  # the next call: 0.4 s short
+    (refused, _) = await pacer.paced(inputs, slow)  # 0.4 s + the last call's 0.2 s would pass the cap
+    assert isinstance(refused, UpstreamRateLimited)
+    await asyncio.sleep(0.3)
+    assert await pacer.paced(inputs, slow) == ["text 0", "text 1"]  # 0.1 s + 0.2 s fit
+
+
 async def test_high_calls_spend_a_lease_without_asking_the_shared_budget_each_time() -> None:
     limits = Limits(rpm=6_000, tpm=600_000)
     ledger = InProcessLedger(limits)
@@ -156,6 +192,19 @@ async def test_an_unreachable_limiter_means_pacing_alone_on_an_equal_share_never
     assert [r.message for r in caplog.records if "cannot be reached" in r.message] == [
         "quota: the shared budget cannot be reached (ConnectionError: the limiter's node is gone); this replica "
         "paces alone on 1/2 of the limits"]
+
+
+async def test_alone_a_replica_follows_its_share_of_what_the_provider_reports() -> None:
+    pacer = pacer_on(Unreachable(), Limits(rpm=None, tpm=None, headroom=1.0), replicas=2)
+    inputs = batch(HIGH, 100, timeout_s=5.0)
+
+    async def answered() -> list[str]:  # the provider's account: 20 calls a minute, none left
+        pacer.observe({"x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0"}, None)
+        return await sent(inputs)
+
+    assert await pacer.paced(inputs, answered) == ["text 0", "text 1"]
+    (refused, _) = await pacer.paced(batch(HIGH, 100, timeout_s=5.0), lambda: sent(inputs))
+    assert refused.retry_after_s == pytest.approx(6.0)  # one of 10 calls a minute, its equal share
 
 
 async def test_the_providers_headers_reach_the_shared_budget_with_the_next_claim() -> None:
