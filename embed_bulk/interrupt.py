@@ -57,11 +57,9 @@ class Interruption:
         return None if self.signum is None else status_of(self.signum)
 
     def run(self, job: Coroutine[Any, Any, T]) -> T:
-        """The job's result; `asyncio.CancelledError` if the grace ran out before it ended. Signals are handled
-        only on the main thread (the only one Python delivers them to)."""
-        handling = threading.current_thread() is threading.main_thread()
+        """The job's result; `asyncio.CancelledError` if the grace ran out before it ended."""
         self._watchdog.start()
-        previous = {signum: signal.signal(signum, self._on_signal) for signum in SIGNALS} if handling else {}
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in _handled()}
         loop = self._loop = asyncio.new_event_loop()
         try:
             self._task = loop.create_task(job)
@@ -125,6 +123,14 @@ class Watchdog:
         time.sleep(max(0.0, self._deadline - time.monotonic()))
         self._say("embed-bulk: did not stop in time after the signal; exiting (saved batches are kept)")
         os._exit(self._status)
+
+
+def _handled() -> list[int]:
+    """The signals to handle: on the main thread (the only one Python delivers them to), those not ignored when the
+    run began, which stay ignored as Python and asyncio leave them (SIGINT for a shell script's background job)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def _tear_down(loop: asyncio.AbstractEventLoop) -> None:

@@ -380,14 +380,18 @@ async def stubborn_job(log: str) -> None:
             await asyncio.sleep(3600)
 
 
-def run_stubborn_job(grace_s: float, log: str) -> None:
+def run_stubborn_job(grace_s: float, log: str, ignoring_sigint: bool) -> None:
     stderr_to(log)
+    if ignoring_sigint:  # as a shell script starts a background job
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     Interruption(grace_s, stop=lambda: None).run(stubborn_job(log))
 
 
-def started_stubborn_job(tmp_path: Path, grace_s: float) -> tuple[multiprocessing.Process, Path]:
+def started_stubborn_job(
+    tmp_path: Path, grace_s: float, ignoring_sigint: bool = False
+) -> tuple[multiprocessing.Process, Path]:
     log = tmp_path / "stubborn.log"
-    process = forked(run_stubborn_job, grace_s, str(log))
+    process = forked(run_stubborn_job, grace_s, str(log), ignoring_sigint)
     while not log.exists():
         assert process.is_alive()
         time.sleep(0.01)
@@ -414,3 +418,17 @@ def test_a_second_signal_ends_the_run_at_once(fork_server: None, tmp_path: Path)
 
     assert ended(process) == 130
     assert "second signal (SIGINT): exiting now" in log.read_text()
+
+
+def test_a_sigint_ignored_when_the_run_began_stays_ignored(fork_server: None, tmp_path: Path) -> None:
+    process, log = started_stubborn_job(tmp_path, grace_s=HANG_S * 10, ignoring_sigint=True)
+
+    os.kill(process.pid, signal.SIGINT)
+    os.kill(process.pid, signal.SIGTERM)
+    while "SIGTERM: taking no new batches" not in log.read_text():
+        assert process.is_alive()
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGTERM)
+
+    assert ended(process) == 143
+    assert "SIGINT" not in log.read_text()
