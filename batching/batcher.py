@@ -121,16 +121,19 @@ class AdaptiveBatcher(Generic[P, R]):
         return await self._wait_for(items, deadline_timer, items[0].future)
 
     def submit_nowait(
-        self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None
-    ) -> "asyncio.Future[R]":
-        """Queue one item without waiting for it: the future ends as ``submit`` would return or raise. Cancelling the
-        future withdraws the item (never sent if still queued; a result on its way is dropped)."""
+        self, payload: P, on_end: Callable[[BaseException | None], None], *, priority: Priority = Priority.HIGH,
+        timeout_s: float | None = None,
+    ) -> Callable[[], None]:
+        """Queue one item for a caller that does not await it, e.g. one reading a stream the process function feeds.
+
+        ``on_end(error)`` is called once, at the moment the item ends: with None after a result, else with the error
+        ``submit`` would raise. Returns ``withdraw()``, for a caller that stops waiting: the item is never sent if
+        still queued, and a result on its way is dropped (``on_end`` is not called then)."""
         self._admit(1, priority, timeout_s)
         items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
-        future = items[0].future
-        future.add_done_callback(functools.partial(self._nowait_done, items, deadline_timer))
+        items[0].on_settle = functools.partial(_end_unawaited, deadline_timer, on_end)
         self._pump()
-        return future
+        return functools.partial(self._withdraw, items, deadline_timer)
 
     async def submit_many(
         self,
@@ -200,12 +203,10 @@ class AdaptiveBatcher(Generic[P, R]):
 
     # ---- waiting ------------------------------------------------------------------------------------------------
 
-    def _nowait_done(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None,
-                     future: asyncio.Future) -> None:
+    def _withdraw(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None) -> None:
         if deadline_timer is not None:
             deadline_timer.cancel()
-        if future.cancelled():
-            self._abandon(items)
+        self._abandon(items)
 
     async def _wait_for(self, items: list[Item], deadline_timer: asyncio.TimerHandle | None,
                         waiting: Awaitable[T]) -> T:
@@ -533,3 +534,10 @@ class AdaptiveBatcher(Generic[P, R]):
     def _check_settled(self) -> None:
         if self._settled is not None and not (self._in_flight or len(self._lanes) or self._delayed):
             self._settled.set()
+
+
+def _end_unawaited(deadline_timer: asyncio.TimerHandle | None, on_end: Callable[[BaseException | None], None],
+                   item: Item) -> None:
+    if deadline_timer is not None:
+        deadline_timer.cancel()
+    on_end(item.future.exception())  # also marks the error retrieved: no one awaits this future

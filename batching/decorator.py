@@ -157,9 +157,8 @@ class BatchedHandler:
     def open_stream(self, owner: Any, call: Call, priority: Priority, timeout_s: float | None) -> AsyncIterator[Any]:
         """Queue the call now (as ``@serve.batch`` does, before the first step is asked for) and return its stream."""
         stream = call.stream = Stream()
-        future = self.batcher_for(owner).submit_nowait(call, priority=priority, timeout_s=timeout_s)
-        stream.future = future
-        future.add_done_callback(stream.item_done)
+        stream.withdraw = self.batcher_for(owner).submit_nowait(call, stream.finish, priority=priority,
+                                                                timeout_s=timeout_s)
         return consume(stream)
 
 

@@ -27,7 +27,8 @@ class ItemState(Enum):
 class Item:
     """One submitted payload and the future its caller awaits."""
 
-    __slots__ = ("seq", "payload", "future", "priority", "enqueued_at", "cost", "deadline", "state", "attempts")
+    __slots__ = ("seq", "payload", "future", "priority", "enqueued_at", "cost", "deadline", "state", "attempts",
+                 "on_settle")
 
     def __init__(
         self, seq: int, payload: Any, future: asyncio.Future, priority: Priority, enqueued_at: float, cost: float,
@@ -42,6 +43,7 @@ class Item:
         self.deadline = deadline
         self.state = ItemState.QUEUED
         self.attempts = 0
+        self.on_settle: Callable[[Item], None] | None = None  # told at once when the item ends, for a caller not awaiting
 
     @property
     def waiting(self) -> bool:
@@ -72,6 +74,8 @@ class Item:
             self.future.set_result(result)
         else:
             self.future.set_exception(error)
+        if self.on_settle is not None:
+            self.on_settle(self)
         return True
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from .errors import BatchResultMismatch
 
@@ -22,45 +22,31 @@ _END = object()  # a stream's end: no more values, and no error
 class Stream:
     """One caller's stream: the values its batch's steps sent, then its end (an error, or none)."""
 
-    __slots__ = ("_values", "_waiter", "_end", "future")
+    __slots__ = ("values", "waiter", "end", "withdraw")
 
     def __init__(self) -> None:
-        self._values: deque[Any] = deque()
-        self._waiter: asyncio.Future | None = None
-        self._end: object = None
-        self.future: asyncio.Future | None = None  # the item's: done once the caller may have no more values
+        self.values: deque[Any] = deque()
+        self.waiter: asyncio.Future | None = None  # the reader's, while it waits for a value
+        self.end: object = None  # _END, or the error the stream ended with
+        self.withdraw: Callable[[], None] | None = None  # takes the caller's item out of the batcher
 
     @property
     def open(self) -> bool:
-        return self._end is None and not (self.future is not None and self.future.done())
+        return self.end is None
 
     def push(self, value: Any) -> None:
-        self._values.append(value)
+        self.values.append(value)
         self._wake()
 
     def finish(self, error: BaseException | None = None) -> None:
-        if self._end is None:
-            self._end = _END if error is None else error
+        if self.end is None:
+            self.end = _END if error is None else error
             self._wake()
 
-    def item_done(self, future: asyncio.Future) -> None:
-        """The item settled: a result means the stream has ended; an error ends it with that error."""
-        self.finish(None if future.cancelled() else future.exception())
-
-    async def next(self) -> Any:
-        """The next value; ``StopAsyncIteration`` at the end, or the error the stream ended with."""
-        while not self._values:
-            end = self._end
-            if end is not None:
-                raise StopAsyncIteration if end is _END else end  # type: ignore[misc]
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._values.popleft()
-
     def _wake(self) -> None:
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None:
-            self._waiter = None
+            self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -96,15 +82,22 @@ async def fan_out(steps: AsyncIterator[Sequence[Any]], streams: list[Stream]) ->
 
 
 async def consume(stream: Stream) -> AsyncIterator[Any]:
-    """The caller's side: its values as they come. Leaving early withdraws its item from the batch."""
+    """The caller's side: its values as they come, then its end. Leaving early withdraws its item from the batch."""
+    values = stream.values
+    loop = asyncio.get_running_loop()
     try:
         while True:
-            try:
-                value = await stream.next()
-            except StopAsyncIteration:
-                return
-            yield value
+            while not values:
+                end = stream.end
+                if end is _END:
+                    return
+                if end is not None:
+                    raise end  # type: ignore[misc]
+                stream.waiter = loop.create_future()
+                await stream.waiter
+            yield values.popleft()
     finally:
-        if stream.future is not None and not stream.future.done():
-            stream.future.cancel()
-
+        if stream.end is None:
+            stream.finish()
+            if stream.withdraw is not None:
+                stream.withdraw()

@@ -9,6 +9,10 @@ batches counted per round show it.
 
 Figure 2 puts one time-triggered batch whose process call sleeps 100 ms in flight, then times how long N new
 submits take to be accepted into the queue: ours vs the article's, whose lock is held for the whole batch.
+
+Figure 3 is figure 1 for streaming handlers: N concurrent callers of an async-generator handler that yields its
+input list once (the per-item cost) or ``stream_steps`` times (the per-step cost: the round's time over N x steps),
+``batching.batch`` vs ``@serve.batch``, same settings, interleaved rounds.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
+import batching
 from batching import AdaptiveBatcher, BatcherConfig
 from load.article_batcher import ArticleBatcher
-from load.serve_batch import serve_batch_outside_replica, serve_batched
+from load.serve_batch import close_serve_batched, serve_batch_outside_replica, serve_batched
 from load.stats import median, percentile
 
 from .options import chosen_settings
 from .report import markdown_table, write_report
 
 TARGET_RATIO = 0.5  # ours costs at most half of @serve.batch per item
-OURS, SERVE, ARTICLE = "adaptive", "serve.batch", "article"
+OURS, DROP_IN, SERVE, ARTICLE = "adaptive", "batching.batch", "serve.batch", "article"
 LABELS = {
     OURS: "batching.AdaptiveBatcher",
+    DROP_IN: "batching.batch (the @serve.batch drop-in)",
     SERVE: "ray.serve @serve.batch",
     ARTICLE: "article §4.1 (re-implementation)",
 }
@@ -52,16 +58,18 @@ class Settings:
     stall_items: int = 1000  # submits timed in figure 2
     stall_batch_ms: float = 100.0  # how long the batch in flight takes
     stall_repeats: int = 7
+    stream_steps: int = 10  # steps each stream yields in figure 3's per-step rounds
 
     def __post_init__(self) -> None:
         counts = (self.rounds, self.items, self.batch_size, self.concurrent_batches, self.stall_items,
-                  self.stall_repeats)
+                  self.stall_repeats, self.stream_steps)
         if min(counts) < 1 or min(self.warmup, self.max_wait_ms, self.stall_batch_ms) < 0:
             raise ValueError(
                 "overhead: counts and sizes must be >= 1; --warmup, --max-wait-ms, --stall-batch-ms >= 0")
 
 
-QUICK = Settings(rounds=3, warmup=1, items=200, batch_size=20, stall_items=200, stall_batch_ms=20.0, stall_repeats=1)
+QUICK = Settings(rounds=3, warmup=1, items=200, batch_size=20, stall_items=200, stall_batch_ms=20.0, stall_repeats=1,
+                 stream_steps=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,15 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stall-batch-ms", type=float, help=f"duration of the batch in flight (default {defaults.stall_batch_ms})"
     )
     parser.add_argument("--stall-repeats", type=int, help=f"figure 2 repetitions (default {defaults.stall_repeats})")
+    parser.add_argument("--stream-steps", type=int, help=f"steps per stream in figure 3 (default {defaults.stream_steps})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
     with serve_batch_outside_replica():
         per_item = asyncio.run(measure_per_item(settings))
+        streaming = asyncio.run(measure_streaming(settings))
     stall = asyncio.run(measure_submission_stall(settings))
-    data = {"settings": asdict(settings), "per_item": per_item, "submission_stall": stall}
-    return write_report("overhead", "Batching overhead", render(settings, per_item, stall), data,
+    data = {"settings": asdict(settings), "per_item": per_item, "submission_stall": stall, "streaming": streaming}
+    return write_report("overhead", "Batching overhead", render(settings, per_item, stall, streaming), data,
                         getattr(args, "results_dir", None))
 
 
@@ -143,6 +153,18 @@ def our_batcher(settings: Settings, process: NoopProcess) -> AdaptiveBatcher:
     return AdaptiveBatcher(process, config, name="bench-overhead")
 
 
+def drop_in_submit(settings: Settings, process: NoopProcess) -> Submit:
+    """A method batched by ``batching.batch`` with ``@serve.batch``'s settings, called the Serve way."""
+
+    class Model:
+        @batching.batch(max_batch_size=settings.batch_size, batch_wait_timeout_s=settings.max_wait_ms / 1000,
+                        max_concurrent_batches=settings.concurrent_batches)
+        async def handle(self, payloads: list[Any]) -> list[Any]:
+            return await process(payloads)
+
+    return Model().handle
+
+
 def article_batcher(settings: Settings, process: NoopProcess) -> ArticleBatcher:
     return ArticleBatcher(process, max_batch_size=settings.batch_size, max_wait_ms=settings.max_wait_ms)
 
@@ -167,6 +189,7 @@ async def measure_per_item(settings: Settings) -> dict[str, Any]:
     article = article_batcher(settings, processes[ARTICLE])
     submits: dict[str, Submit] = {
         OURS: ours.submit,
+        DROP_IN: drop_in_submit(settings, processes[DROP_IN]),
         SERVE: serve_batch_submit(settings, processes[SERVE]),
         ARTICLE: article.add,
     }
@@ -183,6 +206,8 @@ async def measure_per_item(settings: Settings) -> dict[str, Any]:
                 per_item_s[key].append(elapsed / settings.items)
                 batches[key].append(processes[key].batches - before)
     await ours.aclose()
+    await submits[DROP_IN].aclose()  # type: ignore[attr-defined]
+    await close_serve_batched(submits[SERVE])
 
     submitted = (settings.warmup + settings.rounds) * settings.items
     contenders = {}
@@ -201,14 +226,87 @@ async def measure_per_item(settings: Settings) -> dict[str, Any]:
             "items_processed": processes[key].items,
         }
     ratio = contenders[OURS]["median_us"] / contenders[SERVE]["median_us"]
+    drop_in_ratio = contenders[DROP_IN]["median_us"] / contenders[SERVE]["median_us"]
     paired = median(o / s for o, s in zip(per_item_s[OURS], per_item_s[SERVE]))
     return {
         "contenders": contenders,
         "ratio_ours_to_serve_batch": ratio,
+        "ratio_drop_in_to_serve_batch": drop_in_ratio,
         "paired_ratio_median": paired,
         "target_ratio": TARGET_RATIO,
-        "target_met": ratio <= TARGET_RATIO,
+        "target_met": max(ratio, drop_in_ratio) <= TARGET_RATIO,
         "ray_version": _ray_version(),
+    }
+
+
+# ---- figure 3: streaming handlers ---------------------------------------------------------------------------------
+
+
+def streaming_handlers(settings: Settings, steps: int) -> dict[str, Callable[[Any], Any]]:
+    """An async-generator method yielding its input ``steps`` times, batched by each decorator the Serve way."""
+    from ray import serve
+
+    def generator(decorator: Callable) -> Callable:
+        return decorator(max_batch_size=settings.batch_size, batch_wait_timeout_s=settings.max_wait_ms / 1000,
+                       max_concurrent_batches=settings.concurrent_batches)
+
+    class Model:
+        @generator(batching.batch)
+        async def drop_in(self, payloads: list[Any]):
+            for _ in range(steps):
+                yield payloads
+
+        @generator(serve.batch)
+        async def serve_batch(self, payloads: list[Any]):
+            for _ in range(steps):
+                yield payloads
+
+    model = Model()
+    return {DROP_IN: model.drop_in, SERVE: model.serve_batch}
+
+
+async def timed_stream_round(open_stream: Callable[[Any], Any], payloads: list[int], steps: int) -> float:
+    async def read(payload: int) -> int:
+        count = 0
+        async for value in open_stream(payload):
+            if value != payload:
+                raise RuntimeError("a stream returned a value that does not match its input")
+            count += 1
+        return count
+
+    gc.collect()
+    start = time.perf_counter()
+    counts = await asyncio.gather(*map(read, payloads))
+    elapsed = time.perf_counter() - start
+    if counts != [steps] * len(payloads):
+        raise RuntimeError("a stream ended early")
+    await asyncio.sleep(0.001)
+    return elapsed
+
+
+async def measure_streaming(settings: Settings) -> dict[str, Any]:
+    payloads = list(range(settings.items))
+    rows: dict[str, dict[str, Any]] = {}
+    for steps, row in ((1, "per_item_us"), (settings.stream_steps, "per_step_us")):
+        handlers = streaming_handlers(settings, steps)
+        samples: dict[str, list[float]] = {key: [] for key in handlers}
+        for round_no in range(settings.warmup + settings.rounds):
+            for key in (list(handlers) if round_no % 2 == 0 else list(handlers)[::-1]):
+                elapsed = await timed_stream_round(handlers[key], payloads, steps)
+                if round_no >= settings.warmup:
+                    samples[key].append(elapsed / (settings.items * steps) * 1e6)
+        await handlers[DROP_IN].aclose()  # type: ignore[attr-defined]
+        await close_serve_batched(handlers[SERVE])
+        for key, micros in samples.items():
+            rows.setdefault(key, {"label": LABELS[key]})[row] = median(micros)
+    per_item = rows[DROP_IN]["per_item_us"] / rows[SERVE]["per_item_us"]
+    per_step = rows[DROP_IN]["per_step_us"] / rows[SERVE]["per_step_us"]
+    return {
+        "contenders": rows,
+        "steps": settings.stream_steps,
+        "ratio_per_item": per_item,
+        "ratio_per_step": per_step,
+        "target_met": max(per_item, per_step) <= TARGET_RATIO,
     }
 
 
@@ -277,7 +375,7 @@ async def measure_submission_stall(settings: Settings) -> dict[str, Any]:
 # ---- report -------------------------------------------------------------------------------------------------------
 
 
-def render(settings: Settings, per_item: dict[str, Any], stall: dict[str, Any]) -> str:
+def render(settings: Settings, per_item: dict[str, Any], stall: dict[str, Any], streaming: dict[str, Any]) -> str:
     contenders = per_item["contenders"]
     figure1 = markdown_table(
         ["contender", "median µs/item", "p10", "p90", "batches/round", "mean batch size"],
@@ -301,6 +399,11 @@ def render(settings: Settings, per_item: dict[str, Any], stall: dict[str, Any]) 
             " ours reads the clock at every submit, so when the process is descheduled in the middle of a round (a busy"
             " machine), the oldest item's wait can pass before all of the round's submits are in.\n"
         )
+    figure3 = markdown_table(
+        ["contender", "µs/item (1-step streams)", f"µs/step ({streaming['steps']}-step streams)"],
+        [[c["label"], f"{c['per_item_us']:.2f}", f"{c['per_step_us']:.2f}"] for c in streaming["contenders"].values()],
+    )
+    stream_verdict = "met" if streaming["target_met"] else "NOT met"
     figure2 = markdown_table(
         ["contender", "median ms", "min ms", "max ms"],
         [[s["label"], f"{s['median_ms']:.2f}", f"{s['min_ms']:.2f}", f"{s['max_ms']:.2f}"] for s in stall.values()],
@@ -316,7 +419,8 @@ max_concurrent_batches {settings.concurrent_batches} (the article's batcher has 
 {figure1}
 {partial}
 ours / @serve.batch per item: {per_item['ratio_ours_to_serve_batch']:.2f} (median of per-round ratios \
-{per_item['paired_ratio_median']:.2f}); target <= {per_item['target_ratio']:.2f}: **{verdict}**
+{per_item['paired_ratio_median']:.2f}); the drop-in called the Serve way: {per_item['ratio_drop_in_to_serve_batch']:.2f}; \
+target <= {per_item['target_ratio']:.2f}: **{verdict}**
 
 ## Figure 2: accepting {settings.stall_items:,} submissions while a {settings.stall_batch_ms:g} ms batch is in flight
 
@@ -324,6 +428,15 @@ Time from the first new submit until the batcher has queued all of them (its own
 {settings.stall_repeats} repetition(s).
 
 {figure2}
+
+## Figure 3: streaming handlers, no-op async generator
+
+{settings.items:,} concurrent callers per round, each reading its own stream; same settings as figure 1.
+
+{figure3}
+
+batching.batch / @serve.batch: {streaming['ratio_per_item']:.2f} per item, {streaming['ratio_per_step']:.2f} per \
+step; target <= {TARGET_RATIO:.2f}: **{stream_verdict}**
 """
 
 

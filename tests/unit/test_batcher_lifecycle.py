@@ -419,3 +419,31 @@ async def test_items_waiting_out_a_retry_after_count_against_the_queue_limit():
     with pytest.raises(Overloaded):
         await batcher.submit_many(["d", "e"])
     assert await delayed == ["a", "b", "c"]
+
+
+# ---- submit_nowait: a caller that does not await its item ---------------------------------------------------------
+
+
+async def test_submit_nowait_reports_the_end_of_an_item_once_when_it_happens():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=100, stall_factor=None))
+    ends: list = []
+    batcher.submit_nowait("a", ends.append)
+    batcher.submit_nowait("b", ends.append, timeout_s=0.001)  # expires before a batch leaves
+    await asyncio.sleep(0.1)
+    assert process.sent == ["a"]
+    assert ends[0].__class__ is DeadlineExceeded and ends[1] is None
+    await batcher.aclose()
+
+
+async def test_a_withdrawn_item_is_never_sent_and_its_end_not_reported():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_wait_ms=10))
+    ends: list = []
+    withdraw = batcher.submit_nowait("a", ends.append)
+    batcher.submit_nowait("b", ends.append)
+    withdraw()
+    await asyncio.sleep(0.1)
+    assert process.sent == ["b"] and ends == [None]
+    assert batcher.stats().cancelled == 1
+    await batcher.aclose()

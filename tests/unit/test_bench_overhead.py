@@ -19,7 +19,9 @@ def test_quick_overhead_run_writes_results_and_every_contender_processes_every_i
     assert "overhead.json" in {p.name for p in tmp_path.iterdir()} and (tmp_path / "overhead.md").read_text()
     assert written["machine"]["cpu_count"] >= 1
     assert written["per_item"]["target_ratio"] == 0.5
-    assert returned["per_item"]["contenders"].keys() == {"adaptive", "serve.batch", "article"}
+    assert returned["per_item"]["contenders"].keys() == {"adaptive", "batching.batch", "serve.batch", "article"}
+    assert written["streaming"]["contenders"].keys() == {"batching.batch", "serve.batch"}
+    assert all(row["per_item_us"] > 0 and row["per_step_us"] > 0 for row in written["streaming"]["contenders"].values())
     for name, contender in written["per_item"]["contenders"].items():
         assert contender["items_processed"] == contender["items_submitted"] > 0, name
         assert contender["batches_per_round"] >= 1, name

@@ -1,5 +1,5 @@
 """What a night brings to `embed-bulk`, against a real server: the simulated OpenAI-compatible upstream
-(`python -m load.upstream`) in its own process, which embedded-bulk talks to as it would to the service.
+(`python -m load.upstream`) in its own process, which embed-bulk talks to as it would to the service.
 
 The client runs as its own process every time, so signals are real. The random-moment cases (many runs) fork each
 run from a `multiprocessing` fork server that has imported `embed_bulk` once: a real process running the command's
@@ -144,7 +144,8 @@ def run_command(job: Job, timeout_s: float = HANG_S) -> subprocess.CompletedProc
 
 
 def output_rows(job: Job) -> tuple[list[Any], np.ndarray]:
-    """The ids and vectors of a finished output, in its row order."""
+    """The ids and vectors of a finished output: `.npy` in its row order (input order); `.jsonl` sorted by id, as its
+    rows come in the order batches finished."""
     if job.output.suffix == ".npy":
         ids = [json.loads(line) for line in (job.directory / f"{job.output_name}.ids.jsonl").read_text().splitlines()]
         return ids, np.load(job.output)
