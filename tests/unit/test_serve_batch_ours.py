@@ -196,7 +196,8 @@ async def test_a_deadline_ends_a_stream_mid_way_and_the_others_go_on():
     await generate.aclose()
 
 
-async def test_a_stream_past_its_deadline_while_queued_is_never_sent():
+@pytest.mark.parametrize("leave", ["deadline", "cancel"])
+async def test_a_stream_that_leaves_while_queued_is_never_sent(leave):
     seen = []
 
     @batch(max_batch_size=1, batch_wait_timeout_s=0)
@@ -207,31 +208,14 @@ async def test_a_stream_past_its_deadline_while_queued_is_never_sent():
 
     busy = asyncio.ensure_future(collect(generate("busy")))
     await asyncio.sleep(0.1)
-    with batch_options(timeout_s=1.0):
-        late = generate("late")
-    with pytest.raises(DeadlineExceeded):
-        await collect(late)
-    assert await busy == ["busy"]
-    assert seen == [["busy"]]
-    await generate.aclose()
-
-
-async def test_a_stream_cancelled_while_queued_is_never_sent():
-    seen = []
-
-    @batch(max_batch_size=1, batch_wait_timeout_s=0)
-    async def generate(prompts):
-        seen.append(list(prompts))
-        await asyncio.sleep(1.0)
-        yield prompts
-
-    busy = asyncio.ensure_future(collect(generate("busy")))
-    await asyncio.sleep(0.1)
-    reader = asyncio.ensure_future(collect(generate("gone")))
-    await asyncio.sleep(0.1)
+    with batch_options(timeout_s=1.0 if leave == "deadline" else None):
+        reader = asyncio.ensure_future(collect(generate("gone")))
+    await asyncio.sleep(0.1 if leave == "cancel" else 2.0)
     reader.cancel()
+    with pytest.raises(DeadlineExceeded if leave == "deadline" else asyncio.CancelledError):
+        await reader
     assert await busy == ["busy"]
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(6.0)
     assert seen == [["busy"]]
     await generate.aclose()
 

@@ -22,12 +22,19 @@ class Recorder:
         return items
 
 
-async def test_a_lone_call_waits_the_whole_batch_wait_timeout():
+def recorded(**settings: Any) -> tuple[Any, Recorder]:
+    """A plain function batched with ``settings`` that records when each batch left and what it held."""
     recorder = Recorder()
 
-    @batch(max_batch_size=10, batch_wait_timeout_s=0.2)
+    @batch(**settings)
     async def handle(items):
         return recorder.record(items)
+
+    return handle, recorder
+
+
+async def test_a_lone_call_waits_the_whole_batch_wait_timeout():
+    handle, recorder = recorded(max_batch_size=10, batch_wait_timeout_s=0.2)
 
     assert await handle(1) == 1
     assert recorder.batches == [(pytest.approx(0.2), [1])]
@@ -36,11 +43,7 @@ async def test_a_lone_call_waits_the_whole_batch_wait_timeout():
 
 async def test_simultaneous_callers_short_of_a_full_batch_wait_the_timeout_too():
     # no stall trigger called the Serve way: nine callers and then silence still wait the timeout out
-    recorder = Recorder()
-
-    @batch(max_batch_size=10, batch_wait_timeout_s=0.1)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=10, batch_wait_timeout_s=0.1)
 
     assert await asyncio.gather(*(handle(i) for i in range(9))) == list(range(9))
     assert recorder.batches == [(pytest.approx(0.1), list(range(9)))]
@@ -48,11 +51,7 @@ async def test_simultaneous_callers_short_of_a_full_batch_wait_the_timeout_too()
 
 
 async def test_a_full_batch_leaves_at_once():
-    recorder = Recorder()
-
-    @batch(max_batch_size=4, batch_wait_timeout_s=5.0)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=4, batch_wait_timeout_s=5.0)
 
     await asyncio.gather(*(handle(i) for i in range(4)))
     assert recorder.batches == [(0.0, [0, 1, 2, 3])]
@@ -60,11 +59,7 @@ async def test_a_full_batch_leaves_at_once():
 
 
 async def test_the_wait_counts_from_the_oldest_call():
-    recorder = Recorder()
-
-    @batch(max_batch_size=10, batch_wait_timeout_s=0.1)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=10, batch_wait_timeout_s=0.1)
 
     first = asyncio.ensure_future(handle("first"))
     await asyncio.sleep(0.06)
@@ -74,11 +69,7 @@ async def test_the_wait_counts_from_the_oldest_call():
 
 
 async def test_scale_factor_turns_on_the_depth_scaled_wait_with_the_timeout_as_its_longest():
-    recorder = Recorder()
-
-    @batch(max_batch_size=100, batch_wait_timeout_s=0.1, scale_factor=10)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=100, batch_wait_timeout_s=0.1, scale_factor=10)
 
     assert await handle(1) == 1
     assert recorder.batches[0][0] == pytest.approx(DepthScaledWait(100, 10).wait_s(1), abs=2e-6)
@@ -87,11 +78,7 @@ async def test_scale_factor_turns_on_the_depth_scaled_wait_with_the_timeout_as_i
 
 
 async def test_a_new_timeout_applies_from_the_next_batch_not_the_one_filling():
-    recorder = Recorder()
-
-    @batch(max_batch_size=10, batch_wait_timeout_s=1.0)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=10, batch_wait_timeout_s=1.0)
 
     filling = asyncio.ensure_future(handle("filling"))
     await asyncio.sleep(0.1)
@@ -104,11 +91,7 @@ async def test_a_new_timeout_applies_from_the_next_batch_not_the_one_filling():
 
 
 async def test_a_new_max_batch_size_applies_from_the_next_batch_not_the_one_filling():
-    recorder = Recorder()
-
-    @batch(max_batch_size=4, batch_wait_timeout_s=0.5)
-    async def handle(items):
-        return recorder.record(items)
+    handle, recorder = recorded(max_batch_size=4, batch_wait_timeout_s=0.5)
 
     filling = [asyncio.ensure_future(handle(i)) for i in range(3)]
     await asyncio.sleep(0.1)
