@@ -131,7 +131,8 @@ class AdaptiveBatcher(Generic[P, R]):
         still queued, and a result on its way is dropped (``on_end`` is not called then)."""
         self._admit(1, priority, timeout_s)
         items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
-        items[0].on_settle = functools.partial(_end_unawaited, deadline_timer, on_end)
+        items[0].on_settle = on_end if deadline_timer is None else functools.partial(_end_in_time, deadline_timer,
+                                                                                    on_end)
         self._pump()
         return functools.partial(self._withdraw, items, deadline_timer)
 
@@ -536,8 +537,7 @@ class AdaptiveBatcher(Generic[P, R]):
             self._settled.set()
 
 
-def _end_unawaited(deadline_timer: asyncio.TimerHandle | None, on_end: Callable[[BaseException | None], None],
-                   item: Item) -> None:
-    if deadline_timer is not None:
-        deadline_timer.cancel()
-    on_end(item.future.exception())  # also marks the error retrieved: no one awaits this future
+def _end_in_time(deadline_timer: asyncio.TimerHandle, on_end: Callable[[BaseException | None], None],
+                 error: BaseException | None) -> None:
+    deadline_timer.cancel()
+    on_end(error)

@@ -43,7 +43,8 @@ class Item:
         self.deadline = deadline
         self.state = ItemState.QUEUED
         self.attempts = 0
-        self.on_settle: Callable[[Item], None] | None = None  # told at once when the item ends, for a caller not awaiting
+        # For a caller that does not await the future: told the item's error (None: a result) the moment it ends.
+        self.on_settle: Callable[[BaseException | None], None] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -75,7 +76,9 @@ class Item:
         else:
             self.future.set_exception(error)
         if self.on_settle is not None:
-            self.on_settle(self)
+            if error is not None:
+                self.future.exception()  # marks it retrieved: no one awaits this future
+            self.on_settle(error)
         return True
 
 

@@ -11,7 +11,6 @@ stream of the batch ends with that error, as ``@serve.batch`` does, and so does 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from .errors import BatchResultMismatch
@@ -25,18 +24,15 @@ class Stream:
     __slots__ = ("values", "waiter", "end", "withdraw")
 
     def __init__(self) -> None:
-        self.values: deque[Any] = deque()
+        self.values: list[Any] = []  # sent, not yet read
         self.waiter: asyncio.Future | None = None  # the reader's, while it waits for a value
         self.end: object = None  # _END, or the error the stream ended with
         self.withdraw: Callable[[], None] | None = None  # takes the caller's item out of the batcher
 
-    @property
-    def open(self) -> bool:
-        return self.end is None
-
     def push(self, value: Any) -> None:
         self.values.append(value)
-        self._wake()
+        if self.waiter is not None:
+            self._wake()
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.end is None:
@@ -61,7 +57,7 @@ async def fan_out(steps: AsyncIterator[Sequence[Any]], streams: list[Stream]) ->
             started = True
             callers = 0
             for stream, value in zip(streams, step):
-                if stream.open:
+                if stream.end is None:  # the caller is still reading
                     if value is StopIteration or value is StopAsyncIteration:
                         stream.finish()
                     else:
@@ -77,25 +73,33 @@ async def fan_out(steps: AsyncIterator[Sequence[Any]], streams: list[Stream]) ->
     finally:
         await steps.aclose()  # type: ignore[attr-defined]
     for stream in streams:
-        stream.finish()
+        if stream.end is None:
+            stream.finish()
     return [None] * len(streams)
 
 
 async def consume(stream: Stream) -> AsyncIterator[Any]:
     """The caller's side: its values as they come, then its end. Leaving early withdraws its item from the batch."""
-    values = stream.values
     loop = asyncio.get_running_loop()
     try:
         while True:
-            while not values:
-                end = stream.end
-                if end is _END:
-                    return
-                if end is not None:
-                    raise end  # type: ignore[misc]
-                stream.waiter = loop.create_future()
-                await stream.waiter
-            yield values.popleft()
+            values = stream.values
+            if values:
+                if len(values) == 1:  # the common case: the reader keeps up with the steps
+                    yield values.pop()
+                else:
+                    taken = values.copy()
+                    values.clear()
+                    for value in taken:
+                        yield value
+                continue
+            end = stream.end
+            if end is _END:
+                return
+            if end is not None:
+                raise end  # type: ignore[misc]
+            stream.waiter = loop.create_future()
+            await stream.waiter
     finally:
         if stream.end is None:
             stream.finish()
