@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stall-batch-ms", type=float, help=f"duration of the batch in flight (default {defaults.stall_batch_ms})"
     )
     parser.add_argument("--stall-repeats", type=int, help=f"figure 2 repetitions (default {defaults.stall_repeats})")
-    parser.add_argument("--stream-steps", type=int, help=f"steps per stream in figure 3 (default {defaults.stream_steps})")
+    parser.add_argument("--stream-steps", type=int,
+                        help=f"steps per stream in figure 3 (default {defaults.stream_steps})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -419,7 +420,8 @@ max_concurrent_batches {settings.concurrent_batches} (the article's batcher has 
 {figure1}
 {partial}
 ours / @serve.batch per item: {per_item['ratio_ours_to_serve_batch']:.2f} (median of per-round ratios \
-{per_item['paired_ratio_median']:.2f}); the drop-in called the Serve way: {per_item['ratio_drop_in_to_serve_batch']:.2f}; \
+{per_item['paired_ratio_median']:.2f}); the drop-in called the Serve way: \
+{per_item['ratio_drop_in_to_serve_batch']:.2f}; \
 target <= {per_item['target_ratio']:.2f}: **{verdict}**
 
 ## Figure 2: accepting {settings.stall_items:,} submissions while a {settings.stall_batch_ms:g} ms batch is in flight

@@ -5,7 +5,6 @@ HTTP requests and handle calls, streaming included."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from pathlib import Path
