@@ -17,8 +17,10 @@ import inspect
 import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
+from . import serve_context
 from .batcher import AdaptiveBatcher, BatchCostFn
 from .config import BatcherConfig, Priority
+from .errors import BatchResultMismatch
 from .metrics import BatcherMetrics
 from .policies import WaitPolicy
 from .streams import Stream, consume, fan_out
@@ -42,14 +44,16 @@ def batch_options(*, priority: Priority | str = Priority.HIGH, timeout_s: float 
 
 
 class Call:
-    """The arguments of one call (``self`` aside) and, for a streaming handler, the caller's stream."""
+    """The arguments of one call (``self`` aside), the caller's Ray Serve request context (the ``@serve.batch`` way,
+    in a replica) and, for a streaming handler, the caller's stream."""
 
-    __slots__ = ("args", "kwargs", "stream")
+    __slots__ = ("args", "kwargs", "context", "stream")
 
-    def __init__(self, args: tuple, kwargs: dict[str, Any], stream: Stream | None = None) -> None:
+    def __init__(self, args: tuple, kwargs: dict[str, Any], context: Any = None) -> None:
         self.args = args
         self.kwargs = kwargs
-        self.stream = stream
+        self.context = context
+        self.stream: Stream | None = None
 
 
 def to_columns(calls: Sequence[Call]) -> tuple[list[list[Any]], dict[str, list[Any]]]:
@@ -132,12 +136,12 @@ class BatchedHandler:
             return fn(*args, **kwargs) if owner_ref is None else fn(owner_ref(), *args, **kwargs)
 
         if streaming:
-            async def process(calls: list[Call]) -> Sequence[Any]:
+            async def run(calls: list[Call]) -> Sequence[Any]:
                 return await fan_out(start(calls), [call.stream for call in calls])  # type: ignore[misc]
         else:
-            async def process(items: list[Any]) -> Sequence[Any]:
+            async def run(items: list[Any]) -> Sequence[Any]:
                 return await start(items)
-        return process
+        return _by_serve_model(run) if columns else run
 
     def reconfigure(self, *, wait_policy: WaitPolicy | None = None, **changes: Any) -> None:
         """New settings for every batcher made and to be made; a batch filling now keeps the ones it started with."""
@@ -160,6 +164,31 @@ class BatchedHandler:
         stream.withdraw = self.batcher_for(owner).submit_nowait(call, stream.finish, priority=priority,
                                                                 timeout_s=timeout_s)
         return consume(stream)
+
+
+def _by_serve_model(run: Callable[[list[Call]], Awaitable[Sequence[Any]]]) -> Callable[[list[Call]], Awaitable[Any]]:
+    """``run`` for each multiplexed model's calls of a batch, at once, each in a task of its own so that Serve's batch
+    context (set in it) names that model; a batch outside Ray Serve is one group."""
+
+    async def run_in_context(calls: list[Call]) -> Sequence[Any]:
+        if calls[0].context is not None:
+            serve_context.enter_batch([call.context for call in calls])
+        return await run(calls)
+
+    async def process(calls: list[Call]) -> Sequence[Any]:
+        groups = serve_context.model_groups([call.context for call in calls])
+        if len(groups) == 1:
+            return await run_in_context(calls)
+        results: list[Any] = [None] * len(calls)
+        runs = [asyncio.ensure_future(run_in_context([calls[i] for i in group])) for group in groups]
+        for group, outcome in zip(groups, await asyncio.gather(*runs, return_exceptions=True)):
+            if not isinstance(outcome, BaseException) and len(outcome) != len(group):
+                outcome = BatchResultMismatch(f"the handler returned {len(outcome)} results for {len(group)} calls")
+            for position, index in enumerate(group):
+                results[index] = outcome if isinstance(outcome, BaseException) else outcome[position]
+        return results
+
+    return process
 
 
 def _cost_of_first_argument(cost_fn: Callable[[Any], float], call: Call) -> float:

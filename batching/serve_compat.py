@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from typing import Any, Callable
 
+from . import serve_context
 from .config import BatcherConfig
 from .decorator import BatchedHandler, Call, call_options, expose
 from .metrics import BatcherMetrics
 from .policies import FixedWait
+
+logger = logging.getLogger(__name__)
 
 _DERIVED = frozenset({"max_batch_size", "max_batch_cost", "max_wait_ms", "max_concurrent_batches", "scale_factor"})
 _UNBOUNDED = sys.maxsize  # @serve.batch's queue has no limit, and with batch_size_fn no count limit either
@@ -76,15 +80,21 @@ def batch(
                                  cost_fn=None, batch_cost_fn=batch_cost_fn, metrics=metrics, name=name)
         signature = inspect.signature(fn)
         bindable: set[tuple[int, tuple[str, ...]]] = set()  # call shapes already checked against the signature
+        replica_checked = False  # the replica's max_ongoing_requests is compared at the first call
 
         def split(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Call]:
+            nonlocal replica_checked
             shape = (len(args), tuple(kwargs))
             if shape not in bindable:
                 signature.bind(*args, **kwargs)  # a TypeError naming what does not fit, as Serve raises
                 bindable.add(shape)
+            context = serve_context.current()
+            if not replica_checked:
+                replica_checked = True
+                _warn_if_replica_caps(handler.config)
             if args and getattr(type(args[0]), fn.__name__, None) is wrapper:
-                return args[0], Call(args[1:], kwargs)
-            return None, Call(args, kwargs)
+                return args[0], Call(args[1:], kwargs, context)
+            return None, Call(args, kwargs, context)
 
         if handler.streaming:
             @functools.wraps(fn)
@@ -103,6 +113,7 @@ def batch(
                 handler.reconfigure(max_batch_cost=float(new_max_batch_size))
             else:
                 handler.reconfigure(max_batch_size=int(new_max_batch_size))
+                _warn_if_replica_caps(handler.config)
 
         def set_batch_wait_timeout_s(new_batch_wait_timeout_s: float) -> None:
             _check_batch_wait_timeout_s(new_batch_wait_timeout_s)
@@ -122,6 +133,16 @@ def batch(
         return expose(wrapper, handler)
 
     return decorate(_func) if _func is not None else decorate
+
+
+def _warn_if_replica_caps(config: BatcherConfig) -> None:
+    """Serve's warning: a replica taking fewer requests at once than full batches need never fills them."""
+    max_ongoing = serve_context.replica_max_ongoing_requests()
+    wanted = config.max_batch_size * config.max_concurrent_batches
+    if max_ongoing is not None and max_ongoing < wanted <= _UNBOUNDED:
+        logger.warning("max_batch_size (%d) * max_concurrent_batches (%d) is larger than the replica's "
+                       "max_ongoing_requests (%d): its batches can never fill; set max_ongoing_requests >= %d",
+                       config.max_batch_size, config.max_concurrent_batches, max_ongoing, wanted)
 
 
 def _size_of_batch(batch_size_fn: Callable[[list], int], calls: list[Call]) -> float:

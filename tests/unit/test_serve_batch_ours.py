@@ -313,3 +313,22 @@ def test_the_readmes_switching_example_is_the_file_the_integration_test_deploys(
     root = Path(__file__).resolve().parents[2]
     example = (root / "docs" / "examples" / "serve_batch_dropin.py").read_text()
     assert f"```python\n{example}```" in (root / "README.md").read_text()
+
+
+async def test_in_a_replica_that_cannot_fill_a_batch_the_first_call_warns_as_serve_does(caplog):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from ray import serve
+
+    replica = SimpleNamespace(_deployment_config=SimpleNamespace(max_ongoing_requests=5))
+    with mock.patch.object(serve, "get_replica_context", return_value=replica):
+        @batch(max_batch_size=4, max_concurrent_batches=2)
+        async def handle(items):
+            return items
+
+        assert await handle(1) == 1
+        handle.set_max_batch_size(2)
+    warnings = [record.getMessage() for record in caplog.records if "max_ongoing_requests" in record.getMessage()]
+    assert len(warnings) == 1 and "(5)" in warnings[0] and ">= 8" in warnings[0]
+    await handle.aclose()

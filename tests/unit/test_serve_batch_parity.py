@@ -232,6 +232,28 @@ async def test_a_cancelled_caller_is_not_sent(batch):
     assert seen == [[1, 3]]
 
 
+async def test_calls_for_different_multiplexed_models_never_share_a_batch(batch):
+    from ray import serve
+    from ray.serve import context
+
+    seen = []
+
+    class Model:
+        @batch(max_batch_size=4)
+        async def handle(self, items: list) -> list:
+            seen.append((serve.get_multiplexed_model_id(), sorted(items)))
+            return [item * 10 for item in items]
+
+    model = Model()
+
+    async def call(item: int, model_id: str) -> int:
+        context._set_request_context(multiplexed_model_id=model_id)  # as a replica sets it for each request
+        return await model.handle(item)
+
+    assert await asyncio.gather(call(1, "a"), call(2, "b"), call(3, "a"), call(4, "b")) == [10, 20, 30, 40]
+    assert sorted(seen) == [("a", [1, 3]), ("b", [2, 4])]
+
+
 # ---- settings at run time -----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,46 @@
+"""Ray Serve's request context, for handlers batched the ``@serve.batch`` way inside a Serve replica.
+
+Read through the module Serve has already loaded (``batching`` imports no framework): outside Ray Serve there is no
+context and nothing here does anything. Inside a replica each call keeps its caller's context, a batch holds the
+calls of one multiplexed model only (as ``@serve.batch`` splits them), and while the handler runs, Serve's batch
+context lists the batch's requests, so ``serve.get_multiplexed_model_id()`` there names the batch's model.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+_CONTEXT_MODULE = "ray.serve.context"
+
+
+def current() -> Any:
+    """The caller's Serve request context, or None outside Ray Serve."""
+    module = sys.modules.get(_CONTEXT_MODULE)
+    return None if module is None else module._get_serve_request_context()
+
+
+def model_groups(contexts: Sequence[Any]) -> list[list[int]]:
+    """The positions of the calls of each multiplexed model, in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for index, context in enumerate(contexts):
+        groups.setdefault(getattr(context, "multiplexed_model_id", ""), []).append(index)
+    return list(groups.values())
+
+
+def enter_batch(contexts: Sequence[Any]) -> None:
+    """Make the batch's request contexts Serve's batch context in the running task."""
+    module = sys.modules.get(_CONTEXT_MODULE)
+    if module is not None:
+        module._set_batch_request_context(list(contexts))
+
+
+def replica_max_ongoing_requests() -> int | None:
+    """The running Serve replica's ``max_ongoing_requests``, or None outside a replica."""
+    serve = sys.modules.get("ray.serve")
+    if serve is None:
+        return None
+    try:
+        return serve.get_replica_context()._deployment_config.max_ongoing_requests
+    except Exception:  # not in a replica: Serve raises its own error type
+        return None
