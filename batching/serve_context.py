@@ -15,9 +15,9 @@ _CONTEXT_MODULE = "ray.serve.context"
 
 
 def current() -> Any:
-    """The caller's Serve request context, or None outside Ray Serve."""
+    """The caller's Serve request context, or None outside a Serve request (read without making one)."""
     module = sys.modules.get(_CONTEXT_MODULE)
-    return None if module is None else module._get_serve_request_context()
+    return None if module is None else module._serve_request_context.get()
 
 
 def model_groups(contexts: Sequence[Any]) -> list[list[int]]:
