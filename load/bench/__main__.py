@@ -26,6 +26,7 @@ SCENARIOS: dict[str, str] = {
     "backlog": "load.bench.backlog",
     "peers": "load.bench.peers",
     "cluster": "load.bench.cluster",
+    "quota": "load.bench.quota",
 }
 
 
