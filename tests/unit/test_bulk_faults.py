@@ -139,6 +139,14 @@ def write_documents(directory: Path, lines: list[str] | None = None) -> None:
     (directory / "docs.jsonl").write_text("\n".join(documents() if lines is None else lines) + "\n")
 
 
+def wait_until(happened: Callable[[], bool], alive: Callable[[], bool], what: str) -> None:
+    """Polls for `what` while the process it comes from is `alive`, for `HANG_S` at most."""
+    deadline = time.monotonic() + HANG_S
+    while not happened():
+        assert alive() and time.monotonic() < deadline, f"{what}: not within {HANG_S} s or the process ended"
+        time.sleep(0.01)
+
+
 def run_command(job: Job, timeout_s: float = HANG_S) -> subprocess.CompletedProcess[str]:
     return subprocess.run(job.command(), cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
@@ -278,9 +286,7 @@ def test_sigterm_while_every_request_waits_ends_the_run_then_it_completes_when_t
     upstream.set_faults(**faults)
     try:
         process = subprocess.Popen(job.command(), cwd=REPO, stderr=subprocess.PIPE, text=True)
-        while not job.lock.exists():
-            assert process.poll() is None, process.communicate()[1]
-            time.sleep(0.01)
+        wait_until(job.lock.exists, lambda: process.poll() is None, f"{job.lock} written")
         time.sleep(0.5)  # its first requests are out: answered 429 and waiting to retry, or waiting for an answer
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=HANG_S)
@@ -304,9 +310,7 @@ def test_a_run_outlives_its_service_restarting_mid_job(uninterrupted: dict[str, 
     try:
         process = subprocess.Popen(job.command(), cwd=REPO, stderr=subprocess.PIPE, text=True)
         work_log = job.directory / "out.npy.partial.jsonl"
-        while not work_log.exists():
-            assert process.poll() is None, process.communicate()[1]
-            time.sleep(0.01)
+        wait_until(work_log.exists, lambda: process.poll() is None, f"{work_log} written")
         service.kill()
         time.sleep(0.5)
         service.start()
@@ -328,9 +332,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first_which_is_un
     upstream.set_faults(slow_rate=1.0, slow_ms=1_000)  # the first run is still in its first requests as others start
     try:
         first = subprocess.Popen(job.command(), cwd=REPO, stderr=subprocess.PIPE, text=True)
-        while not job.lock.exists():
-            assert first.poll() is None, first.communicate()[1]
-            time.sleep(0.01)
+        wait_until(job.lock.exists, lambda: first.poll() is None, f"{job.lock} written")
         with ThreadPoolExecutor(2) as starts:
             others = list(starts.map(lambda _: run_command(job), range(3)))
     finally:
@@ -365,7 +367,8 @@ def test_malformed_lines_fail_alone_with_their_line_numbers_and_strict_refuses_t
         lenient = run_command(job)
         assert lenient.returncode == 1, lenient.stderr
         assert f"{ROWS + len(bad)} rows in input" in lenient.stderr
-        failed = [json.loads(line) for line in (job.directory / "out.npy.failures.jsonl").read_text().splitlines()]
+        listed = (job.directory / "out.npy.failures.jsonl").read_text().splitlines()
+        failed = sorted((json.loads(line) for line in listed), key=lambda row: row["line"])  # as batches finished
         assert [row["line"] for row in failed] == sorted(bad)
         assert [row["id"] for row in failed] == [None, None, None, None, "doc-x"]
         assert all(row["error"].startswith(f"line {row['line']}: ") for row in failed)
@@ -375,7 +378,7 @@ def test_malformed_lines_fail_alone_with_their_line_numbers_and_strict_refuses_t
 
 async def stubborn_job(log: str) -> None:
     """A job that never ends, swallowing every cancellation: what a library call stuck past its cancel amounts to."""
-    Path(log).write_text("ready\n")
+    os.write(2, b"ready\n")  # the signal handlers are in place
     while True:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(3600)
@@ -393,10 +396,12 @@ def started_stubborn_job(
 ) -> tuple[multiprocessing.Process, Path]:
     log = tmp_path / "stubborn.log"
     process = forked(run_stubborn_job, grace_s, str(log), ignoring_sigint)
-    while not log.exists():
-        assert process.is_alive()
-        time.sleep(0.01)
+    wait_for_line(process, log, "ready")
     return process, log
+
+
+def wait_for_line(process: multiprocessing.Process, log: Path, text: str) -> None:
+    wait_until(lambda: log.exists() and text in log.read_text(), process.is_alive, f"{text!r} in the log")
 
 
 def test_a_run_that_will_not_stop_is_ended_after_its_grace_and_cleanup(fork_server: None, tmp_path: Path) -> None:
@@ -412,9 +417,7 @@ def test_a_second_signal_ends_the_run_at_once(fork_server: None, tmp_path: Path)
     process, log = started_stubborn_job(tmp_path, grace_s=HANG_S * 10)  # only a second signal ends it
 
     os.kill(process.pid, signal.SIGTERM)
-    while "SIGTERM: taking no new batches" not in log.read_text():
-        assert process.is_alive()
-        time.sleep(0.01)
+    wait_for_line(process, log, "SIGTERM: taking no new batches")
     os.kill(process.pid, signal.SIGINT)
 
     assert ended(process) == 130
@@ -426,9 +429,7 @@ def test_a_sigint_ignored_when_the_run_began_stays_ignored(fork_server: None, tm
 
     os.kill(process.pid, signal.SIGINT)
     os.kill(process.pid, signal.SIGTERM)
-    while "SIGTERM: taking no new batches" not in log.read_text():
-        assert process.is_alive()
-        time.sleep(0.01)
+    wait_for_line(process, log, "SIGTERM: taking no new batches")
     os.kill(process.pid, signal.SIGTERM)
 
     assert ended(process) == 143
