@@ -34,7 +34,7 @@ CLEANUP_S = 3.0  # after the grace: cancelling the job, a write the saving threa
 TEARDOWN_S = 1.0  # the most the loop's teardown waits for tasks the run left behind
 
 
-def status_of(signum: int) -> int:
+def _status_of(signum: int) -> int:
     return 128 + signum
 
 
@@ -43,18 +43,17 @@ class Interruption:
     the signal handler, on the main thread) to stop taking new batches. Handlers are installed while `run` runs
     and kept after a signal, so that a second one still ends the process while it exits."""
 
-    def __init__(self, grace_s: float, stop: Callable[[], None], stderr_fd: int = 2) -> None:
+    def __init__(self, grace_s: float, stop: Callable[[], None]) -> None:
         self.signum: int | None = None
         self._grace_s = grace_s
         self._stop = stop
-        self._stderr_fd = stderr_fd
-        self._watchdog = Watchdog(self._say)
+        self._watchdog = Watchdog()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[Any] | None = None
 
     @property
     def exit_status(self) -> int | None:
-        return None if self.signum is None else status_of(self.signum)
+        return None if self.signum is None else _status_of(self.signum)
 
     def run(self, job: Coroutine[Any, Any, T]) -> T:
         """The job's result; `asyncio.CancelledError` if the grace ran out before it ended."""
@@ -73,12 +72,12 @@ class Interruption:
 
     def _on_signal(self, signum: int, _: FrameType | None) -> None:
         if self.signum is not None:
-            self._say(f"embed-bulk: second signal ({signal.Signals(signum).name}): exiting now")
-            os._exit(status_of(signum))
+            _say(f"embed-bulk: second signal ({signal.Signals(signum).name}): exiting now")
+            os._exit(_status_of(signum))
         self.signum = signum
-        self._watchdog.arm(time.monotonic() + self._grace_s + CLEANUP_S, status_of(signum))
-        self._say(f"embed-bulk: {signal.Signals(signum).name}: taking no new batches; up to {self._grace_s:g} s for "
-                  "those in flight (a second signal exits at once)")
+        self._watchdog.arm(time.monotonic() + self._grace_s + CLEANUP_S, _status_of(signum))
+        _say(f"embed-bulk: {signal.Signals(signum).name}: taking no new batches; up to {self._grace_s:g} s for those "
+             "in flight (a second signal exits at once)")
         self._stop()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._start_grace)
@@ -87,19 +86,13 @@ class Interruption:
         assert self._loop is not None and self._task is not None
         self._loop.call_later(self._grace_s, self._task.cancel)
 
-    def _say(self, line: str) -> None:
-        """Straight to the file descriptor: a handler may run while `sys.stderr` is mid-write, and writing to it
-        again from there raises."""
-        os.write(self._stderr_fd, (line + "\n").encode())
-
 
 class Watchdog:
     """A daemon thread that ends the process at a deadline once armed, needing nothing from the main thread. It is
     started before any signal can arrive: a handler starting a thread could wait for a lock the code it interrupted
     holds (a thread pool starting its thread)."""
 
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self._say = say
+    def __init__(self) -> None:
         self._armed = threading.Event()
         self._deadline: float | None = None
         self._status = 0
@@ -121,8 +114,14 @@ class Watchdog:
         if self._deadline is None:
             return
         time.sleep(max(0.0, self._deadline - time.monotonic()))
-        self._say("embed-bulk: did not stop in time after the signal; exiting (saved batches are kept)")
+        _say("embed-bulk: did not stop in time after the signal; exiting (saved batches are kept)")
         os._exit(self._status)
+
+
+def _say(line: str) -> None:
+    """Straight to stderr's file descriptor: a handler may run while `sys.stderr` is mid-write, and writing to it
+    again from there raises."""
+    os.write(2, (line + "\n").encode())
 
 
 def _handled() -> list[int]:
