@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequen
 
 from batching import Priority
 
+from ..backends.base import UpstreamError
 from ..errors import UpstreamRateLimited
 from .budget import Account, Claim, Limits, QuotaBudget
 from .headers import provider_accounts
@@ -155,24 +156,22 @@ class QuotaPacer:
 
     async def paced(self, inputs: Sequence[PacedInput],
                     send: Callable[[], Awaitable[Sequence[Any]]]) -> Sequence[Any]:
-        """``send()``'s results once the budget holds this call; every input's 429 if it will not in time."""
+        """``send()``'s results once the budget holds this call. If it will not within ``max_wait_s`` or before the
+        batch's latest deadline, each input whose deadline comes first ends in a 429 saying when the budget will
+        hold it, and the others fail retryably: the batcher queues them again for that moment (with what queued
+        since, in a larger batch)."""
         first = inputs[0]
         tokens = sum(item.tokens for item in inputs)
         deadlines = [item.deadline for item in inputs]
-        limits = [self._max_wait_s]
-        if None not in deadlines:
-            limits.append(max(deadlines) - asyncio.get_running_loop().time())
-        known = [limit for limit in limits if limit is not None]
         # granted only if it is sent in time for its answer to be: the call's own time is kept free
-        max_wait_s = min(known) - self._call_s if known else None
+        deadline_wait_s = (None if None in deadlines
+                           else max(deadlines) - asyncio.get_running_loop().time() - self._call_s)
+        capped_wait_s = None if self._max_wait_s is None else self._max_wait_s - self._call_s
+        known = [limit for limit in (deadline_wait_s, capped_wait_s) if limit is not None]
         try:
-            await self._acquire(first.priority, tokens, max_wait_s)
+            await self._acquire(first.priority, tokens, min(known) if known else None)
         except _NotInTime as exc:
-            self._metrics.refused(first.priority, len(inputs))
-            error = UpstreamRateLimited(
-                f"the upstream's quota will not hold this request within its deadline; retry in {exc.wait_s:.1f}s",
-                retry_after_s=exc.wait_s)
-            return [error] * len(inputs)
+            return self._not_now(inputs, exc.wait_s)
         started = self._clock()
         _CALL_STARTED.set(started)
         try:
@@ -180,6 +179,22 @@ class QuotaPacer:
         finally:
             took = self._clock() - started
             self._call_s += (took - self._call_s) / 8 if self._call_s else took
+
+    def _not_now(self, inputs: Sequence[PacedInput], wait_s: float) -> list[Exception]:
+        """Each input's 429 if the budget holds the call only after its deadline, else a retryable failure that
+        queues it again for when the budget will hold it."""
+        sent_by = asyncio.get_running_loop().time() + wait_s + self._call_s
+        late = UpstreamRateLimited(
+            f"the upstream's quota will not hold this request within its deadline; retry in {wait_s:.1f}s",
+            retry_after_s=wait_s)
+        later = UpstreamError(f"the upstream's quota holds this call in {wait_s:.3f}s", status=429, retryable=True,
+                              retry_after_s=wait_s)
+        outcomes: list[Exception] = [late if item.deadline is not None and item.deadline < sent_by else later
+                                     for item in inputs]
+        refused = sum(outcome is late for outcome in outcomes)
+        if refused:
+            self._metrics.refused(inputs[0].priority, refused)
+        return outcomes
 
     def observe(self, headers: Mapping[str, str], refused_for_s: float | None) -> None:
         """A response of the upstream (inside ``send``): its rate-limit headers, and a 429's delay if it was one."""

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from batching import Priority
+from batching import Priority, is_retryable
+from deployments.backends import UpstreamError
 from deployments.errors import UpstreamRateLimited
 from deployments.quota.budget import Limits, QuotaBudget
 from deployments.quota.limiter import Answer, Report, answer, apply_reports
@@ -113,6 +114,18 @@ async def test_a_batch_the_budget_cannot_hold_before_its_deadline_is_429_with_wh
     assert metrics.refusals == 2
 
 
+async def test_past_the_cap_an_input_is_429_if_its_deadline_comes_first_else_queued_again() -> None:
+    limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits, max_wait_s=0.5)
+    loop = asyncio.get_running_loop()
+    ledger.budget.claim(HIGH, 60_000, now=loop.time())
+    inputs = [PacedInput("soon", 500, HIGH, loop.time() + 0.9), PacedInput("later", 500, HIGH, loop.time() + 9.0)]
+    soon, later = await pacer.paced(inputs, lambda: sent(inputs))  # held in 1 s: past the cap
+    assert isinstance(soon, UpstreamRateLimited) and soon.retry_after_s == pytest.approx(1.0)
+    assert isinstance(later, UpstreamError) and is_retryable(later) and later.retry_after_s == pytest.approx(1.0)
+
+
 async def test_low_waits_for_the_budget_inside_its_deadline_and_high_goes_first() -> None:
     limits = Limits(rpm=None, tpm=60_000, headroom=1.0, low_share=0.0)
     ledger = InProcessLedger(limits)
@@ -147,7 +160,7 @@ async def test_a_call_cancelled_while_it_waits_for_its_reservation_gives_it_back
     assert ledger.budget.remaining(HIGH, now=loop.time())["tokens"] == pytest.approx(1_010, abs=1)
 
 
-async def test_no_call_waits_longer_than_the_pacers_cap_and_its_own_last_duration() -> None:
+async def test_a_call_the_budget_holds_in_time_but_past_the_cap_is_queued_again_for_then() -> None:
     limits = Limits(rpm=None, tpm=60_000, headroom=1.0)
     ledger = InProcessLedger(limits)
     pacer = pacer_on(ledger, limits, max_wait_s=0.5)  # e.g. the batcher's batch_timeout_s
@@ -159,8 +172,9 @@ async def test_no_call_waits_longer_than_the_pacers_cap_and_its_own_last_duratio
 
     await pacer.paced(inputs, slow)  # leaves 57,000 (with a lease of 1,200)
     ledger.budget.claim(HIGH, 55_400, now=asyncio.get_running_loop().time())  # the next call: 0.4 s short
-    (refused, _) = await pacer.paced(inputs, slow)  # 0.4 s + the last call's 0.2 s would pass the cap
-    assert isinstance(refused, UpstreamRateLimited)
+    (later, _) = await pacer.paced(inputs, slow)  # 0.4 s + the last call's 0.2 s would pass the cap
+    assert isinstance(later, UpstreamError) and is_retryable(later)
+    assert (later.status, later.retry_after_s) == (429, pytest.approx(0.4))
     await asyncio.sleep(0.3)
     assert await pacer.paced(inputs, slow) == ["text 0", "text 1"]  # 0.1 s + 0.2 s fit
 
