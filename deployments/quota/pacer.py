@@ -38,6 +38,7 @@ MIN_POLL_S = 0.01  # a LOW claim asks again no sooner than this
 LEASE_CALLS = 4  # a HIGH lease holds about this many calls
 LEASE_TTL_S = 5.0  # a lease not spent by then is dropped (it was counted as spent when granted)
 MAX_REPORTS = 8  # provider reports kept for the next claim (the latest matter)
+CALL_ROOM = 2.0  # a wait leaves this many times an upstream call's recent mean duration before the cap or deadline
 _CALL_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("quota_call_started")
 
 
@@ -165,8 +166,8 @@ class QuotaPacer:
         deadlines = [item.deadline for item in inputs]
         # granted only if it is sent in time for its answer to be: the call's own time is kept free
         deadline_wait_s = (None if None in deadlines
-                           else max(deadlines) - asyncio.get_running_loop().time() - self._call_s)
-        capped_wait_s = None if self._max_wait_s is None else self._max_wait_s - self._call_s
+                           else max(deadlines) - asyncio.get_running_loop().time() - self._call_room_s)
+        capped_wait_s = None if self._max_wait_s is None else self._max_wait_s - self._call_room_s
         known = [limit for limit in (deadline_wait_s, capped_wait_s) if limit is not None]
         try:
             await self._acquire(first.priority, tokens, min(known) if known else None)
@@ -180,10 +181,15 @@ class QuotaPacer:
             took = self._clock() - started
             self._call_s += (took - self._call_s) / 8 if self._call_s else took
 
+    @property
+    def _call_room_s(self) -> float:
+        """Time kept free for the call itself after its wait: its recent mean is exceeded by one call in two."""
+        return CALL_ROOM * self._call_s
+
     def _not_now(self, inputs: Sequence[PacedInput], wait_s: float) -> list[Exception]:
         """Each input's 429 if the budget holds the call only after its deadline, else a retryable failure that
         queues it again for when the budget will hold it."""
-        sent_by = asyncio.get_running_loop().time() + wait_s + self._call_s
+        sent_by = asyncio.get_running_loop().time() + wait_s + self._call_room_s
         late = UpstreamRateLimited(
             f"the upstream's quota will not hold this request within its deadline; retry in {wait_s:.1f}s",
             retry_after_s=wait_s)
