@@ -134,8 +134,9 @@ async def test_a_429_is_retried_after_the_upstreams_retry_after(make_model, upst
     filler = "token " * 200
     budget = tokens.count(filler)
     upstream.set_faults(tpm=budget)  # one call of `budget` tokens empties the minute's budget
+    await make_model(max_wait_ms=0.0).embed([filler])
+    # Another replica, which has not yet seen the provider's rate-limit headers (deployments/quota/ would pace it)
     model = make_model(max_wait_ms=0.0, max_retries=3)
-    await model.embed([filler])
     vectors, _ = await model.embed(["and now a short one"])  # 429 first, then served after Retry-After
     assert matches("and now a short one", vectors[0], DIM)
     stats = upstream.stats()

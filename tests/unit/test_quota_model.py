@@ -37,3 +37,15 @@ async def test_a_request_the_quota_cannot_hold_in_time_is_429_with_a_computed_re
         await model.embed([[2] * 300], timeout_s=1.0)  # 200 short: 20 s of refill
     assert 15.0 < refused.value.retry_after_s <= 20.0
     assert upstream.stats()["calls"] == 1  # the provider never saw the call it would have refused
+
+
+async def test_a_model_without_limits_paces_to_what_the_providers_headers_say(upstream) -> None:
+    config = ModelConfig(name="sim", backend="openai", base_url=upstream.base_url, upstream_model="m",
+                         batcher=BatcherConfig(max_batch_size=8, max_wait_ms=1.0, max_retries=3))
+    model = EmbeddingModel(config, metrics=BatcherMetrics())
+    try:
+        await model.embed([[1] * 590])  # the headers say 10 of the 600 tokens a minute are left
+        await model.embed([[2] * 15])  # waits for the budget instead of drawing a 429
+        assert (upstream.stats()["calls"], upstream.stats()["rejected_429"]) == (2, 0)
+    finally:
+        await model.aclose()
