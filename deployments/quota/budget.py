@@ -31,6 +31,9 @@ RESERVE_S = 2.0  # and at least this long of HIGH's recent use
 DEMAND_TAU_S = 10.0  # HIGH's recent use: a sum decaying with this time constant
 GRANTS_KEPT_S = 60.0  # grants remembered to reconcile a provider's report on a call granted that long ago
 LEASE_SHARE = 0.02  # a HIGH lease holds at most this share of a limit's bucket
+# A limit only the provider's headers gave is forgotten when no answer has repeated it for this long: it was learned
+# from answers, and a budget that sends nothing (spent on a limit since lifted) would otherwise hear none again.
+LEARNED_FOR_S = 10.0
 
 
 class Claim(NamedTuple):
@@ -73,6 +76,7 @@ class _Bucket:
     def __init__(self, configured: int | None, headroom: float, low_share: float, now: float) -> None:
         self.configured = configured
         self.learned: int | None = None  # the limit the provider reported, while it reports one
+        self.learned_at = now
         self.headroom = headroom
         self.low_share = low_share
         self.level = self.capacity
@@ -101,6 +105,8 @@ class _Bucket:
     def advance(self, now: float) -> None:
         elapsed = max(0.0, now - self.updated)
         self.updated = now
+        if self.learned is not None and now - self.learned_at > LEARNED_FOR_S:
+            self.relearn(None, now)
         if self.limit is None:
             return
         self.level = min(self.capacity, self.level + elapsed * self.rate)
@@ -131,9 +137,10 @@ class _Bucket:
         self.level -= min(amount, self.capacity)
         self.grants.append((now, amount))
 
-    def relearn(self, limit: int | None) -> None:
+    def relearn(self, limit: int | None, now: float) -> None:
         """The provider reports ``limit`` (None: no longer reports one); the level keeps what it has spent."""
         limit = limit if limit else None  # a limit of 0 would be no budget at all: read as none reported
+        self.learned_at = now
         if limit == self.learned:
             return
         spent = self.capacity - self.level if self.limit is not None else 0.0
@@ -212,7 +219,7 @@ class QuotaBudget:
         self._advance(now)
         for kind, bucket in self._buckets.items():
             account = accounts.get(kind)
-            bucket.relearn(account.limit if account is not None else None)
+            bucket.relearn(account.limit if account is not None else None, now)
             if account is not None:
                 bucket.follow(account, called_at)
 

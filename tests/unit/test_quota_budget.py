@@ -111,6 +111,13 @@ def test_a_lower_limit_the_provider_reports_replaces_the_configured_one_while_it
     assert quota.claim(HIGH, 1, now=1.0, max_wait_s=0.0).granted
 
 
+def test_a_limit_only_the_headers_gave_is_forgotten_once_no_answer_repeats_it() -> None:
+    quota = budget(rpm=None, tpm=None)
+    quota.follow({"tokens": Account(600, 0, 60.0)}, called_at=0.0, now=0.0)  # spent, on a limit then lifted
+    assert quota.claim(HIGH, 100, now=5.0, max_wait_s=1.0).granted is False  # 10 s of refill away
+    assert quota.claim(HIGH, 100, now=10.5, max_wait_s=0.0).granted and not quota.limited
+
+
 def test_a_429_stops_every_claim_for_its_retry_after() -> None:
     quota = budget(rpm=600, tpm=60_000)
     quota.refused(2.0, now=0.0)
