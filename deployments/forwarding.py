@@ -5,21 +5,32 @@ A handle call costs both replicas about a millisecond of CPU whatever it carries
 the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
 leaves at the end of the turn it arrived in. Inside the model every request keeps its own priority, deadline and
 outcome, and since each answer streams back on its own, no request waits for another of its call.
+
+Embedding is a pure function, so a request whose replica was lost before it answered (the actor died, its node
+went, it was stopped) is sent again, to whichever replica Serve picks next, with what is left of its deadline:
+at most ``RESENDS`` times, and only the requests of the call that had no answer yet, so none is computed (or billed
+upstream) twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from .embedder import EmbedRequest
+from .errors import ServiceUnavailable
+from .replica_loss import loss_cause
+
+RESENDS = 2  # times a request follows its replica's loss to another one
 
 _Waiter = tuple[EmbedRequest, asyncio.Future]
+OnResend = Callable[[str, int], None]  # (the cause of the loss, how many requests were sent again)
 
 
 class ModelForwarder:
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, on_resend: OnResend | None = None) -> None:
         self._handle = handle.options(method_name="embed_many", stream=True)
+        self._on_resend = on_resend
         self._pending: list[_Waiter] = []
         self._deliveries: set[asyncio.Task] = set()
 
@@ -36,13 +47,15 @@ class ModelForwarder:
     def _flush(self) -> None:
         group, self._pending = self._pending, []
         live = [(request, future) for request, future in group if not future.done()]
-        if not live:
-            return
-        response = self._handle.remote([request for request, _ in live])
-        delivery = asyncio.ensure_future(self._deliver(response, live))
+        if live:
+            self._send(live, RESENDS)
+
+    def _send(self, group: list[_Waiter], resends_left: int) -> None:
+        response = self._handle.remote([request for request, _ in group])
+        delivery = asyncio.ensure_future(self._deliver(response, group, resends_left))
         self._deliveries.add(delivery)
         delivery.add_done_callback(self._deliveries.discard)
-        remaining = [len(live)]
+        remaining = [len(group)]
 
         def given_up(future: asyncio.Future) -> None:
             if future.cancelled():
@@ -50,11 +63,11 @@ class ModelForwarder:
                 if remaining[0] == 0:
                     response.cancel()
 
-        for _, future in live:
+        for _, future in group:
             future.add_done_callback(given_up)
 
-    @staticmethod
-    async def _deliver(response: Any, group: list[_Waiter]) -> None:
+    async def _deliver(self, response: Any, group: list[_Waiter], resends_left: int) -> None:
+        sent_at = asyncio.get_running_loop().time()
         try:
             async for finished in response:
                 for index, outcome in finished:
@@ -65,11 +78,35 @@ class ModelForwarder:
                         future.set_exception(outcome)
                     else:
                         future.set_result(outcome)
-        except asyncio.CancelledError:
-            for _, future in group:
-                future.cancel()
-            raise
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # ours: the ingress is stopping
+                for _, future in group:
+                    future.cancel()
+                raise
+            self._fail_or_resend(group, exc, resends_left, sent_at)  # the call's, raised inside: its replica went
         except Exception as exc:  # the call itself failed: every request of it still waiting did
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
+            self._fail_or_resend(group, exc, resends_left, sent_at)
+
+    def _fail_or_resend(self, group: list[_Waiter], exc: BaseException, resends_left: int, sent_at: float) -> None:
+        waiting = [(request, future) for request, future in group if not future.done()]
+        cause = loss_cause(exc)
+        if cause is not None and resends_left:
+            elapsed = asyncio.get_running_loop().time() - sent_at
+            again = [(_less_time(request, elapsed), future) for request, future in waiting]
+            again = [(request, future) for request, future in again if request is not None]
+            if again:
+                if self._on_resend is not None:
+                    self._on_resend(cause, len(again))
+                self._send(again, resends_left - 1)
+            return  # a request left with no time is answered by the ingress's own deadline
+        error = ServiceUnavailable("the model's replica was lost; retry later") if cause is not None else exc
+        for _, future in waiting:
+            future.set_exception(error)
+
+
+def _less_time(request: EmbedRequest, elapsed_s: float) -> EmbedRequest | None:
+    """The request as sent again ``elapsed_s`` later: None when its time has run out."""
+    if request.timeout_s is None:
+        return request
+    remaining = request.timeout_s - elapsed_s
+    return request._replace(timeout_s=remaining) if remaining > 0 else None

@@ -6,6 +6,7 @@ including malformed bodies and unknown routes, is answered in OpenAI's shape ``{
 """
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, Mapping
@@ -25,6 +26,7 @@ from .embedder import EmbedRequest
 from .errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
                      PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
 from .forwarding import ModelForwarder
+from .metrics import ResendCounter, ResentRequests
 from .openai_errors import error_response, status_response
 
 logger = logging.getLogger("ray.serve")
@@ -40,11 +42,11 @@ DEADLINE_MARGIN_S = 0.25
 
 
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None) -> FastAPI:
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
-    none is asked for)."""
-    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes)
+    none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss."""
+    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes, on_resend)
     app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -62,7 +64,8 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         api_keys = ApiKeys.from_env()
-        self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes)
+        self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
+                               on_resend=ResentRequests())
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -73,8 +76,10 @@ class EmbeddingsIngress:
 class _Routes:
     """The route handlers, bound to the models and limits of one API."""
 
-    def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int) -> None:
-        self._models = {name: ModelForwarder(handle) for name, handle in models.items()}
+    def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
+                 on_resend: ResendCounter | None) -> None:
+        self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
+                        for name, handle in models.items()}
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())

@@ -192,13 +192,17 @@ class Run:
         head = [(offset, outcome) for offset, outcome in zip(offsets, outcomes)
                 if outcome is not None and outcome.proxy == self.cluster.head.proxy_port]
         tail = [outcome for offset, outcome in head if offset > LOSS_DURATION_S * 0.75]
+        surviving = [outcome.kind for _, outcome in head]
         self.report["node_loss"] = {
             "requests": len(outcomes), "killed_at_s": round(killed_at, 2), "outcomes": tally,
             "error_statuses": sorted({o.status for o in outcomes if o is not None and o.kind == "error"}),
+            "surviving_proxy": {kind: surviving.count(kind) for kind in ("ok", "error", "closed")},
             "head_proxy_last_quarter": {"requests": len(tail), "ok": sum(o.kind == "ok" for o in tail)},
         }
         if tally["hung"] or result.backlog:
             raise CheckFailed(f"{tally['hung'] + result.backlog} request(s) hung after the node was lost")
+        if surviving.count("ok") != len(surviving):  # a replica's loss is absorbed: only the lost node's own fail
+            raise CheckFailed(f"requests that reached the surviving node's proxy failed: {self.report['node_loss']}")
         if not tail or any(outcome.kind != "ok" for outcome in tail):
             raise CheckFailed(f"the surviving node's proxy was not serving by the end: {self.report['node_loss']}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import pytest
 
@@ -64,3 +65,97 @@ async def test_the_call_is_cancelled_once_every_request_of_it_gave_up():
     second.cancel()
     await asyncio.sleep(0)
     assert handle.cancelled == 1
+
+
+# ---- a replica lost mid-call --------------------------------------------------------------------------------------
+
+
+class DyingHandle:
+    """A handle whose calls answer their requests in order, one every 0.1 s; call k dies with ``deaths[k]`` after
+    answering ``answered[k]`` requests (no death for calls past the lists)."""
+
+    def __init__(self, deaths: list[BaseException], answered: list[int]) -> None:
+        self.deaths, self.answered = deaths, answered
+        self.calls: list[list[tuple[str, float | None]]] = []
+
+    def options(self, **_: object) -> "DyingHandle":
+        return self
+
+    def remote(self, requests: list[EmbedRequest]) -> "DyingHandle._Stream":
+        call = len(self.calls)
+        self.calls.append([(request.inputs[0], request.timeout_s) for request in requests])
+        return self._Stream(self, call, requests)
+
+    class _Stream:
+        def __init__(self, handle: "DyingHandle", call: int, requests: list[EmbedRequest]) -> None:
+            self._handle, self._call, self._requests = handle, call, requests
+
+        async def __aiter__(self):
+            handle = self._handle
+            dies = self._call < len(handle.deaths)
+            for i, request in enumerate(self._requests):
+                await asyncio.sleep(0.1)
+                if dies and i == handle.answered[self._call]:
+                    raise handle.deaths[self._call]
+                yield [(i, f"vectors of {request.inputs[0]}")]
+
+        def cancel(self) -> None:
+            pass
+
+
+def resends() -> tuple[list[tuple[str, int]], Callable[[str, int], None]]:
+    seen: list[tuple[str, int]] = []
+    return seen, lambda cause, count: seen.append((cause, count))
+
+
+async def test_requests_unanswered_when_their_replica_died_are_sent_again_and_answered():
+    from ray.exceptions import ActorDiedError
+
+    handle = DyingHandle([ActorDiedError()], answered=[1])
+    seen, on_resend = resends()
+    forwarder = ModelForwarder(handle, on_resend)
+    futures = [forwarder.forward(EmbedRequest([text])) for text in "abc"]
+    assert await asyncio.gather(*futures) == ["vectors of a", "vectors of b", "vectors of c"]
+    assert [[text for text, _ in call] for call in handle.calls] == [["a", "b", "c"], ["b", "c"]]  # a: once
+    assert seen == [("replica_died", 2)]
+
+
+async def test_a_cancellation_raised_from_the_replicas_side_is_a_loss_too():
+    handle = DyingHandle([asyncio.CancelledError()], answered=[0])
+    forwarder = ModelForwarder(handle)
+    assert await forwarder.forward(EmbedRequest(["a"])) == "vectors of a"
+    assert len(handle.calls) == 2
+
+
+async def test_after_its_resends_a_request_ends_in_service_unavailable():
+    from ray.exceptions import ActorUnavailableError
+
+    from deployments.errors import ServiceUnavailable
+    from deployments.forwarding import RESENDS
+
+    handle = DyingHandle([ActorUnavailableError("gone", None)] * (RESENDS + 1), answered=[0] * (RESENDS + 1))
+    forwarder = ModelForwarder(handle)
+    with pytest.raises(ServiceUnavailable):
+        await forwarder.forward(EmbedRequest(["a"]))
+    assert len(handle.calls) == RESENDS + 1
+
+
+async def test_a_failure_that_is_not_a_replicas_loss_is_not_sent_again():
+    handle = DyingHandle([ValueError("bad input")], answered=[0])
+    forwarder = ModelForwarder(handle)
+    with pytest.raises(ValueError):
+        await forwarder.forward(EmbedRequest(["a"]))
+    assert len(handle.calls) == 1
+
+
+async def test_a_request_is_sent_again_with_what_is_left_of_its_time_and_not_at_all_once_it_is_out():
+    from ray.exceptions import ActorDiedError
+
+    handle = DyingHandle([ActorDiedError()], answered=[0])
+    forwarder = ModelForwarder(handle)
+    roomy = forwarder.forward(EmbedRequest(["roomy"], timeout_s=5.0))
+    tight = forwarder.forward(EmbedRequest(["tight"], timeout_s=0.05))
+    assert await roomy == "vectors of roomy"
+    assert handle.calls[1] == [("roomy", pytest.approx(4.9))]
+    assert not tight.done()  # the ingress's own deadline answers it (504)
+    tight.cancel()
