@@ -1,5 +1,6 @@
-"""Replicas lost or replaced under load: Serve replaces a killed replica and every caller is answered; a redeploy
-(num_replicas 2 -> 1, every replica replaced) drains what the old replicas held and drops nothing."""
+"""Replicas lost or replaced under load: Serve replaces a killed replica and every caller is answered (the ingress
+sends what the dead replica held to the other); a redeploy (num_replicas 2 -> 1, every replica replaced) drains what
+the old replicas held and drops nothing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Iterator
 
 import pytest
 
+from batching import BatcherConfig
 from tests.integration.helpers import Service
 
 from . import cluster
@@ -26,14 +28,14 @@ def target(serve_instance: Service) -> Iterator[Target]:
 
 def test_a_killed_replica_is_replaced_and_every_caller_answered(target: Target, scale: Scale) -> None:
     result = replica_loss(target, scale)
-    unexpected = [(o.status, o.message[:160]) for o in result.outcomes if o.kind in ("unclear", "lost", "misrouted")]
-    assert result.counts["lost"] == result.counts["misrouted"] == result.counts["unclear"] == 0, unexpected
-    assert result.counts["late"] == 0
-    failed = [o for o in result.outcomes if o.kind != "ok"]
-    assert all(o.status in (502, 503, 504) for o in failed), result.statuses
+    unexpected = [(o.status, o.message[:160]) for o in result.outcomes if o.kind != "ok"]
+    assert result.counts["ok"] == result.requests, unexpected  # what the dead replica held was sent to the other
     assert result.extra["replaced_after_s"] is not None, result.to_json()
     assert serving_again(result.outcomes), result.to_json()  # back to normal within the run
-    assert result.billed <= result.sent_clean
+    # Inputs the dead replica had sent upstream but not answered are billed again: at most what it had in flight.
+    batching = BatcherConfig(**{key: value for key, value in target.args["models"][0].get("batching", {}).items()
+                                if key in BatcherConfig.field_names()})
+    assert result.billed <= result.sent_clean + batching.max_batch_size * batching.max_concurrent_batches
 
 
 def test_a_redeploy_under_load_drops_nothing(target: Target, scale: Scale) -> None:
