@@ -511,9 +511,10 @@ def _argument_type(hint: Any) -> Callable[[str], Any]:
     return parse
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, UpstreamConfig]:
+def parse_args(argv: list[str] | None = None,
+               prog: str = "python -m load.upstream") -> tuple[argparse.Namespace, UpstreamConfig]:
     parser = argparse.ArgumentParser(
-        prog="python -m load.upstream",
+        prog=prog,
         description="A simulated OpenAI-compatible embeddings API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -64,10 +64,22 @@ class InProcessHandle:
         return InProcessHandle(self._model, method_name, stream)
 
 
+def build(entry: Mapping[str, Any], upstream_app: Any, *, api_keys: tuple[str, ...] = (),
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> tuple[Any, EmbeddingModel]:
+    """The ingress's app serving the openai-backend model ``entry``, whose upstream is ``upstream_app`` (ASGI), and
+    that model; made inside the event loop that will serve them."""
+    config = parse_app_config({"models": [{"backend": "openai", "base_url": UPSTREAM_URL, **entry}]}).models[0]
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(app=upstream_app))
+    embedder = EmbeddingModel(config, backend=make_backend(config, http_client=upstream), metrics=BatcherMetrics())
+    api = create_api({config.name: InProcessHandle(embedder)}, api_keys=ApiKeys(list(api_keys)),
+                     max_body_bytes=max_body_bytes)
+    return api, embedder
+
+
 class InProcessService:
     def __init__(self, model_entry: Mapping[str, Any], upstream: UpstreamConfig, *, api_keys: tuple[str, ...] = (),
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self._entry = {"backend": "openai", "base_url": UPSTREAM_URL, **model_entry}
+        self._entry = model_entry
         self._upstream = upstream
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
@@ -97,12 +109,8 @@ class InProcessService:
         return self.call(self.client.post(path, **kwargs))
 
     async def _start(self) -> None:
-        config = parse_app_config({"models": [self._entry]}).models[0]
-        upstream = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(self._upstream)))
-        self.embedder = EmbeddingModel(config, backend=make_backend(config, http_client=upstream),
-                                       metrics=BatcherMetrics())
-        api = create_api({self.model: InProcessHandle(self.embedder)}, api_keys=ApiKeys(list(self._api_keys)),
-                         max_body_bytes=self._max_body_bytes)
+        api, self.embedder = build(self._entry, create_app(self._upstream), api_keys=self._api_keys,
+                                   max_body_bytes=self._max_body_bytes)
         transport = httpx.ASGITransport(app=api, raise_app_exceptions=False)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://service.invalid", timeout=60)
 

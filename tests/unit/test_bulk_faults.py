@@ -1,5 +1,6 @@
-"""What a night brings to `embed-bulk`, against a real server: the simulated OpenAI-compatible upstream
-(`python -m load.upstream`) in its own process, which embed-bulk talks to as it would to the service.
+"""What a night brings to `embed-bulk`, against the service in its own process: the in-process app (the ingress's API
+and a real `EmbeddingModel`, without Ray) in front of the simulated upstream, on a real port
+(`python -m tests.reliability.inprocess_server`); faults are set on its upstream at run time.
 
 The client runs as its own process every time, so signals are real. The random-moment cases (many runs) fork each
 run from a `multiprocessing` fork server that has imported `embed_bulk` once: a real process running the command's
@@ -45,8 +46,9 @@ UPSTREAM_FLAGS = ["--dim", "16", "--base-latency-ms", "30", "--jitter", "0.3", "
 FORK_SERVER = multiprocessing.get_context("forkserver")
 
 
-class Upstream:
-    """`python -m load.upstream` on a fixed loopback port, which can be killed and started again there."""
+class Service:
+    """The service (`python -m tests.reliability.inprocess_server`) on a fixed loopback port, which can be killed and
+    started again there."""
 
     def __init__(self, log: Path) -> None:
         with socket.socket() as probe:
@@ -59,10 +61,11 @@ class Upstream:
     def start(self) -> None:
         with self._log.open("ab") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "load.upstream", "--port", str(self.port), *UPSTREAM_FLAGS],
+                [sys.executable, "-m", "tests.reliability.inprocess_server", "--port", str(self.port),
+                 *UPSTREAM_FLAGS],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # its imports take seconds on a busy machine
         while not self._answers():
             assert self._process.poll() is None and time.monotonic() < deadline, self._log.read_text()[-2000:]
             time.sleep(0.05)
@@ -87,8 +90,8 @@ class Upstream:
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    server = Upstream(tmp_path_factory.mktemp("upstream") / "upstream.log")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    server = Service(tmp_path_factory.mktemp("service") / "service.log")
     server.start()
     try:
         yield server
@@ -107,7 +110,7 @@ class Job:
 
     directory: Path
     output_name: str
-    upstream: Upstream
+    service: Service
     extra: tuple[str, ...] = ()
 
     @property
@@ -119,7 +122,7 @@ class Job:
         return self.directory / f"{self.output_name}.lock"
 
     def argv(self) -> list[str]:
-        return [str(self.directory / "docs.jsonl"), str(self.output), "--base-url", f"{self.upstream.root}/v1",
+        return [str(self.directory / "docs.jsonl"), str(self.output), "--base-url", f"{self.service.root}/v1",
                 "--batch-size", "10", "--concurrency", "2", "--max-retries", "8", "--grace", "1",
                 "--progress", "never", *self.extra]
 
@@ -172,11 +175,11 @@ def finished_files(job: Job) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[Any], Any]]:
+def uninterrupted(service: Service, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[Any], Any]]:
     """Each output kind as an uninterrupted run of the command writes it."""
     rows = {}
     for name in ("out.npy", "out.jsonl"):
-        job = Job(tmp_path_factory.mktemp("uninterrupted"), name, upstream)
+        job = Job(tmp_path_factory.mktemp("uninterrupted"), name, service)
         write_documents(job.directory)
         finished = run_command(job)
         assert finished.returncode == 0, finished.stderr
@@ -245,13 +248,13 @@ def interrupt_and_rerun(job: Job, signum: int, seed: int) -> Outcome:
 
 @pytest.mark.parametrize(("signum", "interrupted_status"), [(signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)])
 def test_a_run_signalled_at_random_moments_ends_and_the_same_command_completes_it_identically(
-    upstream: Upstream, uninterrupted: dict[str, Any], fork_server: None, tmp_path: Path, signum: int,
+    service: Service, uninterrupted: dict[str, Any], fork_server: None, tmp_path: Path, signum: int,
     interrupted_status: int,
 ) -> None:
     wanted, outcomes = 20, []
 
     def case(seed: int) -> Outcome:
-        job = Job(tmp_path / f"seed-{seed}", "out.npy" if seed % 2 == 0 else "out.jsonl", upstream)
+        job = Job(tmp_path / f"seed-{seed}", "out.npy" if seed % 2 == 0 else "out.jsonl", service)
         write_documents(job.directory)
         outcome = interrupt_and_rerun(job, signum, seed)
         if outcome.rerun_status == 0:
@@ -279,11 +282,11 @@ def test_a_run_signalled_at_random_moments_ends_and_the_same_command_completes_i
     [pytest.param({"rpm": 1}, id="429-storm"), pytest.param({"slow_rate": 1.0, "slow_ms": 600_000}, id="no-answer")],
 )
 def test_sigterm_while_every_request_waits_ends_the_run_then_it_completes_when_the_service_recovers(
-    upstream: Upstream, uninterrupted: dict[str, Any], tmp_path: Path, faults: dict[str, Any]
+    service: Service, uninterrupted: dict[str, Any], tmp_path: Path, faults: dict[str, Any]
 ) -> None:
-    job = Job(tmp_path / "job", "out.npy", upstream)
+    job = Job(tmp_path / "job", "out.npy", service)
     write_documents(job.directory)
-    upstream.set_faults(**faults)
+    service.set_faults(**faults)
     try:
         process = subprocess.Popen(job.command(), cwd=REPO, stderr=subprocess.PIPE, text=True)
         wait_until(job.lock.exists, lambda: process.poll() is None, f"{job.lock} written")
@@ -291,7 +294,7 @@ def test_sigterm_while_every_request_waits_ends_the_run_then_it_completes_when_t
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=HANG_S)
     finally:
-        upstream.set_faults(rpm=None, slow_rate=0.0, slow_ms=0.0)
+        service.set_faults(rpm=None, slow_rate=0.0, slow_ms=0.0)
     assert process.returncode == 143, stderr
     assert "SIGTERM: taking no new batches" in stderr and "interrupted" in stderr
 
@@ -302,7 +305,7 @@ def test_sigterm_while_every_request_waits_ends_the_run_then_it_completes_when_t
 
 
 def test_a_run_outlives_its_service_restarting_mid_job(uninterrupted: dict[str, Any], tmp_path: Path) -> None:
-    service = Upstream(tmp_path / "restarted.log")
+    service = Service(tmp_path / "restarted.log")
     service.start()
     # ~0.75 s at most 400 documents/s: cut mid-way; 3 retries give up before the service is back (rows fail)
     job = Job(tmp_path / "job", "out.npy", service, extra=("--max-rate", "400", "--max-retries", "3"))
@@ -325,18 +328,18 @@ def test_a_run_outlives_its_service_restarting_mid_job(uninterrupted: dict[str, 
 
 
 def test_a_second_run_on_the_same_output_is_refused_naming_the_first_which_is_unharmed(
-    upstream: Upstream, uninterrupted: dict[str, Any], tmp_path: Path
+    service: Service, uninterrupted: dict[str, Any], tmp_path: Path
 ) -> None:
-    job = Job(tmp_path / "job", "out.npy", upstream)
+    job = Job(tmp_path / "job", "out.npy", service)
     write_documents(job.directory)
-    upstream.set_faults(slow_rate=1.0, slow_ms=1_000)  # the first run is still in its first requests as others start
+    service.set_faults(slow_rate=1.0, slow_ms=1_000)  # the first run is still in its first requests as others start
     try:
         first = subprocess.Popen(job.command(), cwd=REPO, stderr=subprocess.PIPE, text=True)
         wait_until(job.lock.exists, lambda: first.poll() is None, f"{job.lock} written")
         with ThreadPoolExecutor(2) as starts:
             others = list(starts.map(lambda _: run_command(job), range(3)))
     finally:
-        upstream.set_faults(slow_rate=0.0, slow_ms=0.0)
+        service.set_faults(slow_rate=0.0, slow_ms=0.0)
     _, first_stderr = first.communicate(timeout=HANG_S)
 
     assert [other.returncode for other in others] == [75, 75, 75], [other.stderr for other in others]
@@ -346,7 +349,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first_which_is_un
 
 
 def test_malformed_lines_fail_alone_with_their_line_numbers_and_strict_refuses_the_file(
-    upstream: Upstream, uninterrupted: dict[str, Any], tmp_path: Path
+    service: Service, uninterrupted: dict[str, Any], tmp_path: Path
 ) -> None:
     good = documents()
     bad = {2: "not json at all", 5: '["an", "array"]', 9: '{"text": "no id"}', 12: '{"id": [1], "text": "list id"}',
@@ -356,7 +359,7 @@ def test_malformed_lines_fail_alone_with_their_line_numbers_and_strict_refuses_t
         lines.insert(line_number - 1, bad[line_number])
     lines.insert(20, "")
     lines.insert(30, "   ")
-    job = Job(tmp_path / "job", "out.npy", upstream)
+    job = Job(tmp_path / "job", "out.npy", service)
     write_documents(job.directory, lines)
 
     strict = subprocess.run([*job.command(), "--strict"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
