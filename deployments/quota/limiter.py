@@ -77,11 +77,13 @@ def limiter_name(application: str, deployment: str, limits: Limits) -> str:
 
 
 def connect(name: str, limits: Limits) -> Any:
-    """A handle to the limiter called ``name``, created (owned by the caller) if there is none."""
+    """A handle to the limiter called ``name``, created (owned by the caller) if there is none, once it answers: its
+    worker's start-up is not counted against the first claim's time."""
     import ray
 
     actor = ray.remote(QuotaLimiter).options(
         name=name, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=0, num_cpus=0,
         max_concurrency=10_000,
-    )
-    return actor.remote(limits)
+    ).remote(limits)
+    ray.get(actor.__ray_ready__.remote())
+    return actor

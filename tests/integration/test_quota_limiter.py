@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import ray
 
 from batching import Priority
 from deployments.errors import UpstreamRateLimited
 from deployments.quota.budget import Limits
-from deployments.quota.limiter import NAMESPACE
+from deployments.quota.limiter import connect
 from deployments.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
 
 LIMITS = Limits(rpm=None, tpm=60_000, headroom=1.0)
@@ -29,13 +30,23 @@ async def send() -> list[str]:
     return ["sent"]
 
 
+async def started(name: str) -> Any:
+    """A handle to the limiter called ``name``, created and answering, as a replica's first claim finds it once the
+    deployment has run a while (a claim that waits longer than CALL_TIMEOUT_S for it paces alone). The limiter lives
+    while a handle to it does."""
+    return await asyncio.to_thread(connect, name, LIMITS)
+
+
 async def test_replicas_share_one_budget_and_a_lost_limiter_is_replaced_empty(serve_instance) -> None:
     name = f"quota:test:{uuid.uuid4().hex}"
+    limiter = await started(name)
     first, second = pacer(name), pacer(name)
     assert await first.paced(batch(60_000, 5.0), send) == ["sent"]
     (refused,) = await second.paced(batch(6_000, 1.0), send)  # alone, its share would have held it
     assert isinstance(refused, UpstreamRateLimited) and 5.0 < refused.retry_after_s <= 6.0
 
-    ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    ray.kill(limiter)
     assert await second.paced(batch(6_000, 1.0), send) == ["sent"]  # paced alone on its share: served
+    replacement = await started(name)  # what the next replica to claim does, in its connecting thread
     assert await pacer(name).paced(batch(60_000, 1.0), send) == ["sent"]  # a new limiter, full again
+    ray.kill(replacement)
