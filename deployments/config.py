@@ -7,6 +7,7 @@ args:
       backend: local                 # local | openai
       model_path: null               # local: defaults to the packaged all-MiniLM-L6-v2
       engine: onnx                   # local: onnx | torch; threads: N (default: the CPUs it reserved)
+      device: cpu                    # local: cpu | cuda (torch only; precision: fp32 | fp16 | bf16, num_gpus: 1)
       batching: {max_batch_size: 64, max_wait_ms: 25, max_batch_tokens: 8192}   # BatcherConfig fields
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
       cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "openai")
 ENGINES = ("onnx", "torch")  # how the local backend runs its model (deployments/backends/engines.py)
+DEVICES = ("cpu", "cuda")  # where it runs; cuda: the torch engine only
+PRECISIONS = ("fp32", "fp16", "bf16")  # its weights' and activations' type; below fp32 on cuda only
 MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
 # The largest request body the ingress reads. OpenAI caps a request at 300,000 tokens; as JSON that is at most
 # ~7 bytes per token id, or a few bytes per token of text (up to 6 per character when \u-escaped): 16 MiB holds any
@@ -190,10 +193,21 @@ def _runtime_env_vars(actor_options: Mapping[str, Any]) -> Any:
     return runtime_env.get("env_vars") if isinstance(runtime_env, Mapping) else None
 
 
+def _gpu_share(value: Any) -> bool:
+    """Ray's GPU reservation: a share of one GPU (replicas may share it) or whole GPUs."""
+    return _is_number(value) and (0 < value <= 1 or (value >= 1 and float(value).is_integer()))
+
+
 class ModelConfig(_Section):
     name: str
     backend: Annotated[str, _one_of(BACKENDS)] = "local"
-    engine: Annotated[str, _one_of(ENGINES)] = "onnx"  # local only: onnx | torch
+    # local only. Declared before the options they decide, which check them.
+    device: Annotated[str, _one_of(DEVICES)] = "cpu"
+    precision: Annotated[str, _one_of(PRECISIONS)] = "fp32"  # fp16, bf16: device cuda only
+    # device cuda only: the GPUs each replica reserves (a fraction lets replicas share one); None: 1 (sizing.py)
+    num_gpus: Annotated[int | float | None, _rule(
+        _gpu_share, "be a number > 0 and <= 1 (a share of one GPU) or a whole number >= 1", quoted=True)] = None
+    engine: Annotated[str, _one_of(ENGINES)] = "onnx"  # local only: onnx | torch (on device cuda: torch)
     # local only
     threads: Annotated[int | None, _rule(lambda v: _is_int(v) and v >= 1, "be an integer >= 1 (the model's intra-op "
                                          "threads; omit it for one per CPU it reserved)", quoted=True)] = None
@@ -229,13 +243,25 @@ class ModelConfig(_Section):
             raise ValueError(f"must be a non-empty string without '#' or surrounding spaces, not {name!r}")
         return name
 
-    @field_validator("engine", "threads", "onnx_cache_dir", "onnx_optimize", "default_prompt_name", "matryoshka_dims",
-                     mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _torch_on_cuda(cls, entry: Any) -> Any:
+        """On device cuda the engine is torch unless the entry names one (onnx there is refused below)."""
+        if (isinstance(entry, Mapping) and entry.get("backend", "local") == "local" and entry.get("device") == "cuda"
+                and entry.get("engine") is None):
+            return {**entry, "engine": "torch"}
+        return entry
+
+    @field_validator("device", "precision", "num_gpus", "engine", "threads", "onnx_cache_dir", "onnx_optimize",
+                     "default_prompt_name", "matryoshka_dims", mode="before")
     @classmethod
     def _local_only(cls, value: Any, info: ValidationInfo) -> Any:
-        """Set only for the local backend, the onnx options only for its onnx engine; unset (None) or the default
-        is no setting, so a config passed back in as it came out is valid."""
+        """Set only for the local backend, the onnx options only for its onnx engine, the GPU's only for device
+        cuda; unset (None) or the default is no setting, so a config passed back in as it came out is valid."""
         name = info.field_name or ""
+        if name == "engine" and value == "onnx" and info.data.get("device") == "cuda":
+            raise ValueError("the onnx engine runs on the CPU only; device cuda takes engine torch (its default "
+                             "there: leave engine out)")
         default = cls.model_fields[name].default
         if value is None or (type(value) is type(default) and value == default):
             return default
@@ -243,6 +269,8 @@ class ModelConfig(_Section):
             raise ValueError("only the local backend takes this option")
         if name.startswith("onnx_") and info.data.get("engine") == "torch":
             raise ValueError("only the onnx engine takes this option")
+        if name in ("precision", "num_gpus") and info.data.get("device") != "cuda":
+            raise ValueError("only device cuda takes this option (the CPU computes in fp32 and reserves no GPU)")
         return value
 
     @field_validator("base_url", "api_key_env", "upstream_model", "limits", mode="before")

@@ -98,8 +98,12 @@ def max_surge_percent(model: ModelConfig) -> int:
 
 
 def model_actor_options(model: ModelConfig) -> dict[str, Any]:
-    # A local model computes on one core; an API client mostly waits, so it reserves none.
+    # A local model computes on one core; an API client mostly waits, so it reserves none. A model on cuda still
+    # tokenizes and feeds its GPU from one core, and reserves the GPU (by default a whole one): Ray then places the
+    # replica on a node with one free and sets its CUDA_VISIBLE_DEVICES to it.
     options: dict[str, Any] = {"num_cpus": 1 if model.backend == "local" else 0}
+    if model.device == "cuda":
+        options["num_gpus"] = model.num_gpus or 1
     options.update(model.ray_actor_options or {})
     return options
 

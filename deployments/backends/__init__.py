@@ -20,8 +20,9 @@ def make_backend(model: "ModelConfig", *, http_client: "httpx.AsyncClient | None
     if model.backend == "local":
         from .local import LocalBackend
 
-        return LocalBackend(model.model_path, engine=model.engine, threads=model.threads,
-                            onnx_cache_dir=model.onnx_cache_dir, onnx_optimize=model.onnx_optimize,
+        return LocalBackend(model.model_path, engine=model.engine, device=model.device, precision=model.precision,
+                            threads=model.threads, onnx_cache_dir=model.onnx_cache_dir,
+                            onnx_optimize=model.onnx_optimize,
                             default_prompt_name=model.default_prompt_name, matryoshka_dims=model.matryoshka_dims or ())
     if model.backend == "openai":
         from .openai_api import OpenAIBackend

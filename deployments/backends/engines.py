@@ -22,6 +22,11 @@ from .model_dir import ModelDir
 # in one call; from outside (`serve run`, 2 rounds), c64 served 304-313 single texts/s at 256, 289-290 at 512.
 # Packing several texts into one row with a block-diagonal attention mask, to pad nothing, measured slower (5-25%).
 CHUNK_TOKENS = 256
+# On a GPU one call's rows run in parallel and each call costs a fixed launch and copy overhead, so a call should hold
+# as many texts as the batch brings: 16384 positions are 64 texts of 256 word pieces (MiniLM's longest), a few
+# hundred MB of activations for a MiniLM-sized model, far below any GPU's memory. load/gpu_bench.py --max-call-tokens
+# tries others.
+CUDA_CHUNK_TOKENS = 16384
 
 
 class Engine(Protocol):
@@ -41,15 +46,24 @@ def default_threads() -> int:
     return min(int(reserved), cores) if reserved.isdigit() and int(reserved) >= 1 else cores
 
 
+def max_call_tokens(device: str) -> int:
+    """The padded positions one model call on ``device`` (cpu, cuda) holds."""
+    return CUDA_CHUNK_TOKENS if device == "cuda" else CHUNK_TOKENS
+
+
 def make_engine(
-    name: str, model: ModelDir, *, threads: int, onnx_cache_dir: str | Path | None = None, onnx_optimize: bool = False
+    name: str, model: ModelDir, *, threads: int, device: str = "cpu", precision: str = "fp32",
+    onnx_cache_dir: str | Path | None = None, onnx_optimize: bool = False
 ) -> Engine:
-    """The engine ``name`` (torch, onnx) computing with ``threads`` intra-op threads; torch is imported only if
-    needed (the onnx engine needs it once, to export the model into its cache)."""
+    """The engine ``name`` (torch, onnx) computing with ``threads`` intra-op threads, torch on ``device`` in
+    ``precision``; torch is imported only if needed (the onnx engine needs it once, to export the model into its
+    cache)."""
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(model, threads=threads)
+        return TorchEngine(model, threads=threads, device=device, precision=precision)
+    if (device, precision) != ("cpu", "fp32"):
+        raise ValueError(f"the {name} engine computes on the CPU in fp32 only, not on {device} in {precision}")
     if name == "onnx":
         from .onnx_engine import OnnxEngine
 
@@ -58,11 +72,12 @@ def make_engine(
 
 
 def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: int,
-                    left_padding: bool = False) -> np.ndarray:
-    """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``."""
+                    left_padding: bool = False, max_tokens: int = CHUNK_TOKENS) -> np.ndarray:
+    """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``; each engine call holds at
+    most ``max_tokens`` padded positions (or one sequence)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     rows: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
-    for chunk in _chunks(order, sequences):
+    for chunk in length_buckets(order, sequences, max_tokens):
         length = len(sequences[chunk[-1]])
         input_ids = np.full((len(chunk), length), pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(chunk), length), dtype=np.int64)
@@ -75,11 +90,11 @@ def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: 
     return np.stack(rows).astype(np.float32, copy=False) if rows else np.empty((0, 0), np.float32)
 
 
-def _chunks(order: list[int], sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-    """``order`` (ascending length) cut into runs whose padded size stays within ``CHUNK_TOKENS``."""
+def length_buckets(order: list[int], sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """``order`` (ascending length) cut into runs whose padded size stays within ``max_tokens``."""
     chunks: list[list[int]] = []
     for i in order:
-        if chunks and (len(chunks[-1]) + 1) * len(sequences[i]) <= CHUNK_TOKENS:
+        if chunks and (len(chunks[-1]) + 1) * len(sequences[i]) <= max_tokens:
             chunks[-1].append(i)
         else:
             chunks.append([i])

@@ -1,12 +1,12 @@
-"""A sentence-transformers model on this machine's CPU; by default the packaged all-MiniLM-L6-v2.
+"""A sentence-transformers model on this machine's CPU or GPU; by default the packaged all-MiniLM-L6-v2.
 
 Each input is tokenized once, by ``prepare_many``, when its request arrives, with the request's prompt before it
 (``prompts.py``): its content is the tuple of ids the model embeds (the prompt's and special tokens included,
 truncated at the model's max sequence length as sentence-transformers truncates), its cost the tokens among them
 that are not special ones. So inputs with different prompts are different contents, which may share a batch, and
 the cache keys them apart. ``embed`` pads those ids into batches for the engine (``torch`` or ``onnx``, see
-``engines.py``); a Matryoshka size is the first values of the model's vector, normalised again if the model
-normalises.
+``engines.py``; on device ``cuda``, torch, in larger calls); a Matryoshka size is the first values of the model's
+vector, normalised again if the model normalises.
 
 Two worker threads, so the replica's event loop never computes: one tokenizes (so a request is counted at once,
 never behind a running batch), one runs the model. The model's thread, and the engine threads it starts, run at
@@ -29,7 +29,7 @@ import numpy as np
 from .. import tokens
 from ..cpu_priority import lowest_cpu_priority
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared
-from .engines import default_threads, embed_sequences, make_engine
+from .engines import default_threads, embed_sequences, make_engine, max_call_tokens
 from .model_dir import ModelDir, packaged_model_path
 from .prompts import Prompts
 from .wordpieces import BoundedTokenizer
@@ -43,6 +43,8 @@ class LocalBackend(EmbeddingBackend):
         model_path: str | None = None,
         *,
         engine: str = "onnx",
+        device: str = "cpu",
+        precision: str = "fp32",
         threads: int | None = None,
         onnx_cache_dir: str | Path | None = None,
         onnx_optimize: bool = False,
@@ -50,7 +52,8 @@ class LocalBackend(EmbeddingBackend):
         matryoshka_dims: Sequence[int] = (),
         warm_up: bool = True,
     ) -> None:
-        """``default_prompt_name``: the prompt of a request that names none (default: the model's own);
+        """``device``, ``precision``: where and in what the engine computes (cuda and below fp32: torch only);
+        ``default_prompt_name``: the prompt of a request that names none (default: the model's own);
         ``matryoshka_dims``: the shorter sizes the model was trained to keep its meaning in."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the model is on disk
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -63,12 +66,13 @@ class LocalBackend(EmbeddingBackend):
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
+        self.max_call_tokens = max_call_tokens(device)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed",
                                                 initializer=lowest_cpu_priority)
         # Built on the model's thread, so the engine's own threads inherit its priority.
         self.engine = self._model_thread.submit(
-            make_engine, engine, self.model, threads=self.threads, onnx_cache_dir=onnx_cache_dir,
-            onnx_optimize=onnx_optimize).result()
+            make_engine, engine, self.model, threads=self.threads, device=device, precision=precision,
+            onnx_cache_dir=onnx_cache_dir, onnx_optimize=onnx_optimize).result()
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-tokenize")
         if warm_up:
             self._model_thread.submit(self._embed_now, self.wordpieces.encode_many(["warm up"])).result()
@@ -127,7 +131,8 @@ class LocalBackend(EmbeddingBackend):
         return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
 
     def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding))
+        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
+                                    self.max_call_tokens))
 
     def _shortened(self, vectors: Sequence[np.ndarray], dimensions: int) -> list[np.ndarray]:
         """The first ``dimensions`` values of each vector, of unit length again if the model normalises."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 
 import numpy as np
 import torch
@@ -109,14 +110,40 @@ def load_embedder(model: ModelDir, attn_implementation: str | None = None) -> Se
     return SentenceEmbedder(transformer, model).eval()
 
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cuda_device() -> torch.device:
+    """The first CUDA device torch sees (in a Ray replica, the GPU Ray reserved for it, which CUDA_VISIBLE_DEVICES
+    names); ``RuntimeError`` saying what was looked for where torch sees none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    build = torch.version.cuda
+    raise RuntimeError(
+        f"device cuda: torch finds no CUDA device (torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}; torch {torch.__version__}, torch.version.cuda="
+        f"{build}). "
+        + ("This torch is the CPU build: install the CUDA build (README: 'The local model on a GPU')."
+           if build is None else
+           "Check that the machine has an NVIDIA GPU and driver (nvidia-smi), that CUDA_VISIBLE_DEVICES names it, "
+           "and that a Ray replica reserves it (num_gpus).")
+    )
+
+
 class TorchEngine:
-    def __init__(self, model: ModelDir, *, threads: int) -> None:
+    """The model on ``device`` (cpu, cuda) in ``precision`` (fp32, fp16, bf16: its weights and activations); the
+    vectors come back as float32 numpy whatever it computed in."""
+
+    def __init__(self, model: ModelDir, *, threads: int, device: str = "cpu", precision: str = "fp32") -> None:
         self._threads = threads
         torch.set_num_threads(threads)
-        self._module = load_embedder(model)
+        self._device = cuda_device() if device == "cuda" else torch.device(device)
+        self._module = load_embedder(model).to(self._device, DTYPES[precision])
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         if torch.get_num_threads() != self._threads:  # the calling thread may not have seen the setting
             torch.set_num_threads(self._threads)
         with torch.inference_mode():
-            return self._module(torch.from_numpy(input_ids), torch.from_numpy(attention_mask)).numpy()
+            vectors = self._module(torch.from_numpy(input_ids).to(self._device),
+                                   torch.from_numpy(attention_mask).to(self._device))
+            return vectors.float().cpu().numpy()

@@ -42,11 +42,12 @@ def make_store(config: CacheConfig, model_name: str) -> VectorStore:
 
 
 def vector_identity(model: ModelConfig) -> str:
-    """What the entry's vectors depend on besides the input: the local model's files and engine (ONNX Runtime and
-    torch agree to ~1e-6, not to the bit), or the upstream's URL and model."""
+    """What the entry's vectors depend on besides the input: the local model's files, engine (ONNX Runtime and
+    torch agree to ~1e-6, not to the bit), and, off the CPU, device and precision; or the upstream's URL and model."""
     if model.backend == "local":
         from ..backends.model_dir import ModelDir, packaged_model_path
 
         fingerprint = ModelDir.read(model.model_path or packaged_model_path()).fingerprint()
-        return f"local {fingerprint} {model.engine} optimize={model.onnx_optimize}"
+        gpu = f" {model.device} {model.precision}" if model.device != "cpu" else ""  # CPU keys as they always were
+        return f"local {fingerprint} {model.engine} optimize={model.onnx_optimize}{gpu}"
     return f"openai {model.base_url} {model.upstream_model or model.name}"
