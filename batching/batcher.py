@@ -15,13 +15,13 @@ import logging
 import math
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from .config import BatcherConfig, Priority
+from .config import HIGH, LOW, BatcherConfig, Priority
 from .counting import CountingMetrics
 from .errors import (BatcherClosed, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded, is_retryable,
                      retry_after_s)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, WaitPolicy
-from .queue import Item, ItemState, Lanes
+from .queue import DELAYED, DONE, IN_FLIGHT, QUEUED, Item, Lanes
 from .scheduling import EPS, DispatchPolicy
 from .stats import BatcherStats
 
@@ -130,7 +130,7 @@ class AdaptiveBatcher(Generic[P, R]):
         ``submit`` would raise. Returns ``withdraw()``, for a caller that stops waiting: the item is never sent if
         still queued, and a result on its way is dropped (``on_end`` is not called then)."""
         self._admit(1, priority, timeout_s)
-        items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
+        items, deadline_timer = self._enqueue((payload,), priority, timeout_s, awaited=False)
         items[0].on_settle = on_end if deadline_timer is None else functools.partial(_end_in_time, deadline_timer,
                                                                                     on_end)
         self._pump()
@@ -236,7 +236,7 @@ class AdaptiveBatcher(Generic[P, R]):
             self._refuse(count, f"batcher {self.name!r} queue is full ({waiting} waiting)")
         if timeout_s is not None and self._metrics.batches >= _HISTORY_BATCHES:
             lanes = self._lanes
-            ahead = lanes[Priority.HIGH].depth + (lanes[Priority.LOW].depth if priority is Priority.LOW else 0)
+            ahead = lanes[HIGH].depth + (lanes[LOW].depth if priority is LOW else 0)
             expected_s = (ahead + count) / self._items_per_s() + self._mean_latency
             if expected_s > timeout_s:  # refused now, rather than answered with a DeadlineExceeded when it passes
                 self._refuse(count, f"batcher {self.name!r} would take about {expected_s:.3f}s to serve what is "
@@ -254,9 +254,10 @@ class AdaptiveBatcher(Generic[P, R]):
         return max(1.0, self._mean_batch * config.max_concurrent_batches) / batch_s
 
     def _enqueue(
-        self, payloads: Sequence[P], priority: Priority, timeout_s: float | None
+        self, payloads: Sequence[P], priority: Priority, timeout_s: float | None, awaited: bool = True
     ) -> tuple[list[Item], asyncio.TimerHandle | None]:
-        """Queue the items of one call; they share one deadline, so one timer expires them."""
+        """Queue the items of one call; they share one deadline, so one timer expires them. Items nobody awaits get
+        no future."""
         loop = self._loop
         now = loop.time()
         cost_fn = self._cost_fn
@@ -266,8 +267,8 @@ class AdaptiveBatcher(Generic[P, R]):
         items = []
         metrics = self._metrics
         for seq, payload in enumerate(payloads, metrics.items):  # arrival order: the items admitted before it
-            item = Item(seq, payload, loop.create_future(), priority, now, cost_fn(payload) if cost_fn else 1.0,
-                        deadline)
+            item = Item(seq, payload, loop.create_future() if awaited else None, priority, now,
+                        cost_fn(payload) if cost_fn else 1.0, deadline)
             lane.push(item, max_gap_s)
             items.append(item)
         metrics.items_admitted(self.name, len(items))
@@ -283,6 +284,8 @@ class AdaptiveBatcher(Generic[P, R]):
         if self._pending is not None and not len(lanes):
             self._apply(*self._pending)
             self._pending = None
+        if self._in_flight >= self._config.max_concurrent_batches:  # every arrival while the slots are busy
+            return
         now = self._loop.time()
         while len(lanes) and self._in_flight < self._config.max_concurrent_batches:
             config = self._config
@@ -354,7 +357,7 @@ class AdaptiveBatcher(Generic[P, R]):
             # Our own failure (or cancellation): no item may be left without an outcome.
             error = exc if isinstance(exc, Exception) else BatcherClosed("batch cancelled")
             for item in items:
-                if item.state is ItemState.IN_FLIGHT:
+                if item.state is IN_FLIGHT:
                     item.settle(error=error)
             raise
         if retries:
@@ -365,7 +368,7 @@ class AdaptiveBatcher(Generic[P, R]):
 
         A raised error that is retryable (the call failed, not an input) fails every item in place; any other raised
         error, or running past ``batch_timeout_s``, bisects the batch so a poisonous item fails alone."""
-        live = [item for item in items if not item.future.done()]
+        live = [item for item in items if not item.done]
         if not live:
             return []
         payloads, slots = self._unique_payloads(live)
@@ -434,7 +437,7 @@ class AdaptiveBatcher(Generic[P, R]):
         retries = []
         may_retry = not (self._closing and not self._drain)
         for item, exc in failures:
-            if item.future.done():
+            if item.done:
                 continue
             if may_retry and item.attempts < self._config.max_retries and is_retryable(exc):
                 retries.append((item, exc))
@@ -459,7 +462,7 @@ class AdaptiveBatcher(Generic[P, R]):
 
     def _requeue(self, items: list[Item]) -> None:
         self._delayed.difference_update(items)
-        waiting = [item for item in items if not item.future.done()]
+        waiting = [item for item in items if not item.done]
         if self._closing and not self._drain:
             for item in waiting:
                 item.settle(error=BatcherClosed("batcher closed before the item could be retried"))
@@ -474,9 +477,9 @@ class AdaptiveBatcher(Generic[P, R]):
     # ---- items that leave early ---------------------------------------------------------------------------------
 
     def _leave_queue(self, item: Item) -> None:
-        if item.state is ItemState.QUEUED:
+        if item.state is QUEUED:
             self._lanes[item.priority].discard(item)
-        elif item.state is ItemState.DELAYED:
+        elif item.state is DELAYED:
             self._delayed.discard(item)
 
     def _expire(self, item: Item) -> None:
@@ -486,7 +489,7 @@ class AdaptiveBatcher(Generic[P, R]):
             self._metrics.item_rejected(self.name, "deadline", 1)
 
     def _on_deadline(self, items: list[Item]) -> None:
-        pending = [item for item in items if not item.future.done()]
+        pending = [item for item in items if not item.done]
         was_waiting = any(item.waiting for item in pending)
         for item in pending:
             self._expire(item)
@@ -497,7 +500,7 @@ class AdaptiveBatcher(Generic[P, R]):
 
     def _abandon(self, items: list[Item]) -> None:
         """The caller stopped waiting: its items never go out, and results already on their way are dropped."""
-        pending = [item for item in items if item.state is not ItemState.DONE]
+        pending = [item for item in items if item.state is not DONE]
         was_waiting = any(item.waiting for item in pending)
         for item in pending:
             self._leave_queue(item)
@@ -524,7 +527,7 @@ class AdaptiveBatcher(Generic[P, R]):
         closed = BatcherClosed("batcher closed while the item's batch was in flight")
         for task, items in self._tasks.items():
             for item in items:
-                if item.state is ItemState.IN_FLIGHT:
+                if item.state is IN_FLIGHT:
                     item.settle(error=closed)
             task.cancel()
 

@@ -20,6 +20,11 @@ class Priority(IntEnum):
             raise ValueError(f"priority must be 'high' or 'low', not {value!r}") from None
 
 
+# A member read through its enum class is a slow attribute lookup (EnumType's), next to a module global's; the
+# batcher's per-item paths compare with these instead.
+HIGH, LOW = Priority.HIGH, Priority.LOW
+
+
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_size: int = 100

@@ -170,17 +170,19 @@ def _by_serve_model(run: Callable[[list[Call]], Awaitable[Sequence[Any]]]) -> Ca
     """``run`` for each multiplexed model's calls of a batch, at once, each in a task of its own so that Serve's batch
     context (set in it) names that model; a batch outside Ray Serve is one group."""
 
-    async def run_in_context(calls: list[Call]) -> Sequence[Any]:
-        if calls[0].context is not None:
-            serve_context.enter_batch([call.context for call in calls])
+    async def run_in_context(calls: list[Call], contexts: list[Any]) -> Sequence[Any]:
+        if contexts[0] is not None:
+            serve_context.enter_batch(contexts)
         return await run(calls)
 
     async def process(calls: list[Call]) -> Sequence[Any]:
-        groups = serve_context.model_groups([call.context for call in calls])
+        contexts = [call.context for call in calls]
+        groups = serve_context.model_groups(contexts)
         if len(groups) == 1:
-            return await run_in_context(calls)
+            return await run_in_context(calls, contexts)
         results: list[Any] = [None] * len(calls)
-        runs = [asyncio.ensure_future(run_in_context([calls[i] for i in group])) for group in groups]
+        runs = [asyncio.ensure_future(run_in_context([calls[i] for i in group], [contexts[i] for i in group]))
+                for group in groups]
         for group, outcome in zip(groups, await asyncio.gather(*runs, return_exceptions=True)):
             if not isinstance(outcome, BaseException) and len(outcome) != len(group):
                 outcome = BatchResultMismatch(f"the handler returned {len(outcome)} results for {len(group)} calls")

@@ -10,7 +10,7 @@ from collections import deque
 from enum import Enum
 from typing import Any, Callable
 
-from .config import Priority
+from .config import HIGH, LOW, Priority
 
 # The stall trigger learns a lane's pace from the gaps between arrivals that join it while it is not empty (the pace
 # at which a batch fills; the idle time before a batch's first item would stretch it).
@@ -24,15 +24,19 @@ class ItemState(Enum):
     DONE = "done"
 
 
+# Every item passes through these states, so they are read as module globals (see config.HIGH).
+QUEUED, DELAYED, IN_FLIGHT, DONE = ItemState.QUEUED, ItemState.DELAYED, ItemState.IN_FLIGHT, ItemState.DONE
+
 class Item:
-    """One submitted payload and the future its caller awaits."""
+    """One submitted payload, and how its caller learns the outcome: the future it awaits, or (for a caller that does
+    not await, such as a stream's reader) ``on_settle``."""
 
     __slots__ = ("seq", "payload", "future", "priority", "enqueued_at", "cost", "deadline", "state", "attempts",
                  "on_settle")
 
     def __init__(
-        self, seq: int, payload: Any, future: asyncio.Future, priority: Priority, enqueued_at: float, cost: float,
-        deadline: float | None,
+        self, seq: int, payload: Any, future: asyncio.Future | None, priority: Priority, enqueued_at: float,
+        cost: float, deadline: float | None,
     ) -> None:
         self.seq = seq  # arrival order, which a retried item keeps
         self.payload = payload
@@ -41,43 +45,51 @@ class Item:
         self.enqueued_at = enqueued_at
         self.cost = cost
         self.deadline = deadline
-        self.state = ItemState.QUEUED
+        self.state = QUEUED
         self.attempts = 0
-        # For a caller that does not await the future: told the item's error (None: a result) the moment it ends.
+        # Told the item's error (None: a result) the moment it ends.
         self.on_settle: Callable[[BaseException | None], None] | None = None
 
     @property
     def waiting(self) -> bool:
         """Queued or delayed: it has not been sent, and is not being sent now."""
-        return self.state is ItemState.QUEUED or self.state is ItemState.DELAYED
+        return self.state is QUEUED or self.state is DELAYED
+
+    @property
+    def done(self) -> bool:
+        """It has its outcome, or its caller stopped waiting (an awaited future is cancelled with the caller's task,
+        a moment before the batcher hears of it)."""
+        return self.state is DONE or (self.future is not None and self.future.done())
 
     def enqueue(self) -> None:
-        self.state = ItemState.QUEUED
+        self.state = QUEUED
 
     def send(self) -> None:
-        self.state = ItemState.IN_FLIGHT
+        self.state = IN_FLIGHT
 
     def delay(self) -> None:
         """Failed retryably: it waits out a Retry-After before it queues again."""
-        self.state = ItemState.DELAYED
+        self.state = DELAYED
 
     def abandon(self) -> None:
         """Its caller stopped waiting: it never goes out, and a result already on its way is dropped."""
-        self.future.cancel()
-        self.state = ItemState.DONE
+        if self.future is not None:
+            self.future.cancel()
+        self.state = DONE
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Give the caller its outcome; False if it already has one."""
-        self.state = ItemState.DONE
-        if self.future.done():
+        if self.done:
+            self.state = DONE
             return False
-        if error is None:
-            self.future.set_result(result)
-        else:
-            self.future.set_exception(error)
+        self.state = DONE
+        future = self.future
+        if future is not None:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
         if self.on_settle is not None:
-            if error is not None:
-                self.future.exception()  # marks it retrieved: no one awaits this future
             self.on_settle(error)
         return True
 
@@ -119,6 +131,7 @@ class Lane:
 
     def put_back(self, item: Item) -> None:
         """An item queued again (a retry) takes the place its first arrival gave it, so the head stays the oldest."""
+        item.enqueue()
         self._add(item)
         self._version += 1
         items = self._items
@@ -135,7 +148,7 @@ class Lane:
 
     def head(self) -> Item | None:
         items = self._items
-        while items and items[0].state is not ItemState.QUEUED:
+        while items and items[0].state is not QUEUED:
             items.popleft()
             self._version += 1
         return items[0] if items else None
@@ -147,11 +160,13 @@ class Lane:
         the batch's payloads."""
         batch: list[Item] = []
         payloads: list[Any] = []
-        cost = 0.0
-        while len(batch) < max_size:
-            item = self.head()
-            if item is None:
-                break
+        cost = taken_cost = 0.0
+        items = self._items
+        while items and len(batch) < max_size:
+            item = items[0]
+            if item.state is not QUEUED:  # removed while queued: dropped on reaching the front
+                items.popleft()
+                continue
             if max_cost is not None:
                 if measure is None:
                     grown = cost + item.cost
@@ -161,12 +176,16 @@ class Lane:
                 if batch and grown > max_cost:
                     break
                 cost = grown
-            self._items.popleft()
-            self.discard(item)
+            items.popleft()
             item.send()
+            taken_cost += item.cost
             batch.append(item)
             if max_cost is not None and cost >= max_cost:
                 break
+        # The whole batch accounted for at once: what ``discard`` does for one item, without a call per item.
+        self.depth -= len(batch)
+        self.cost -= taken_cost
+        self._version += 1
         return batch
 
     def head_full(self, measure: Callable[[list[Any]], float], max_cost: float) -> bool:
@@ -181,7 +200,7 @@ class Lane:
         payloads = head_batch.payloads
         for item in itertools.islice(self._items, head_batch.scanned, None):
             head_batch.scanned += 1
-            if item.state is not ItemState.QUEUED:
+            if item.state is not QUEUED:
                 continue
             payloads.append(item.payload)
             cost = measure(payloads)
@@ -196,14 +215,14 @@ class Lane:
 
     def drain(self) -> list[Item]:
         """Pop every queued item."""
-        items = [item for item in self._items if item.state is ItemState.QUEUED]
+        items = [item for item in self._items if item.state is QUEUED]
         self._items.clear()
         self.depth, self.cost = 0, 0.0
         self._version += 1
         return items
 
     def _add(self, item: Item) -> None:
-        item.enqueue()
+        """Count a queued item in (a new one is queued from its making)."""
         self.depth += 1
         self.cost += item.cost
 
@@ -212,20 +231,15 @@ def _arrival(item: Item) -> int:
     return item.seq
 
 
-class Lanes:
-    """The two lanes, indexed by priority."""
+class Lanes(tuple):
+    """The two lanes, indexed by priority: a tuple, so that looking a lane up (several times an item) is no Python
+    call. Its length is the items queued in both."""
 
-    def __init__(self) -> None:
-        self._lanes = (Lane(Priority.HIGH), Lane(Priority.LOW))
-
-    def __getitem__(self, priority: Priority) -> Lane:
-        return self._lanes[priority]
-
-    def __iter__(self):
-        return iter(self._lanes)
+    def __new__(cls) -> "Lanes":
+        return super().__new__(cls, (Lane(HIGH), Lane(LOW)))
 
     def __len__(self) -> int:
-        return self._lanes[0].depth + self._lanes[1].depth
+        return self[0].depth + self[1].depth
 
     def drain(self) -> list[Item]:
-        return [item for lane in self._lanes for item in lane.drain()]
+        return [item for lane in self for item in lane.drain()]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple
 
-from .config import BatcherConfig, Priority
+from .config import HIGH, LOW, BatcherConfig, Priority
 from .policies import WaitPolicy
 from .queue import Lane, Lanes
 
@@ -46,37 +46,37 @@ class DispatchPolicy:
 
     def admission_limit(self, priority: Priority) -> int:
         """Items that may be waiting (queued or delayed) once this priority's items are admitted."""
-        return self.config.max_queue_depth if priority is Priority.HIGH else self.config.low_admission_limit
+        return self.config.max_queue_depth if priority is HIGH else self.config.low_admission_limit
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
 
     def choose(self, lanes: Lanes, in_flight: int, closing: bool, now: float) -> Decision:
         """Which lane sends a batch into a free slot now (the caller checked that a slot is free)."""
-        high, low = lanes[Priority.HIGH], lanes[Priority.LOW]
+        high, low = lanes[HIGH], lanes[LOW]
         if closing:
-            return Decision(Priority.HIGH if high.depth else Priority.LOW, "drain", now)
+            return Decision(HIGH if high.depth else LOW, "drain", now)
         high_reason, high_at = self.lane_trigger(high, now)
         low_reason, low_at = self.lane_trigger(low, now)
         low_owed = self._low_credit >= 1.0
         if high_reason is not None:
             if low_reason is not None and low_owed:
-                return Decision(Priority.LOW, low_reason, now, share=True)
-            return Decision(Priority.HIGH, high_reason, now)
+                return Decision(LOW, low_reason, now, share=True)
+            return Decision(HIGH, high_reason, now)
         if low_reason is not None:
             slots = self.config.max_concurrent_batches
             last_slot = slots > 1 and in_flight == slots - 1
             if not last_slot:
-                return Decision(Priority.LOW, low_reason, now)
+                return Decision(LOW, low_reason, now)
             if low_owed:
-                return Decision(Priority.LOW, low_reason, now, share=True)
+                return Decision(LOW, low_reason, now, share=True)
             return Decision(None, "", high_at)  # the last slot waits for HIGH work, or for a slot to free
         return Decision(None, "", min(high_at, low_at))
 
     def dispatched(self, lanes: Lanes, decision: Decision, size: int) -> None:
         """Account for a batch of ``size`` items sent as ``decision`` said."""
         share = self.config.low_share
-        if decision.lane is Priority.HIGH:
-            if lanes[Priority.LOW].depth and share > 0:
+        if decision.lane is HIGH:
+            if lanes[LOW].depth and share > 0:
                 self._low_credit = min(self._low_credit + size * share / (1.0 - share), self.config.max_batch_size)
         elif decision.share:
             self._low_credit -= size

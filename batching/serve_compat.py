@@ -79,12 +79,12 @@ def batch(
                                  wait_policy=None if scale_factor is not None else FixedWait(batch_wait_timeout_s),
                                  cost_fn=None, batch_cost_fn=batch_cost_fn, metrics=metrics, name=name)
         signature = inspect.signature(fn)
-        bindable: set[tuple[int, tuple[str, ...]]] = set()  # call shapes already checked against the signature
+        bindable: set[int | tuple] = set()  # call shapes (arguments, keywords) already checked against the signature
         replica_checked = False  # the replica's max_ongoing_requests is compared at the first call
 
         def split(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Call]:
             nonlocal replica_checked
-            shape = (len(args), tuple(kwargs))
+            shape = (len(args), *kwargs) if kwargs else len(args)
             if shape not in bindable:
                 signature.bind(*args, **kwargs)  # a TypeError naming what does not fit, as Serve raises
                 bindable.add(shape)

@@ -22,17 +22,20 @@ def current() -> Any:
 
 def model_groups(contexts: Sequence[Any]) -> list[list[int]]:
     """The positions of the calls of each multiplexed model, in order of first appearance."""
+    models = [getattr(context, "multiplexed_model_id", "") for context in contexts]
+    if models.count(models[0]) == len(models):  # the common case: one model (or none) for the whole batch
+        return [list(range(len(models)))]
     groups: dict[str, list[int]] = {}
-    for index, context in enumerate(contexts):
-        groups.setdefault(getattr(context, "multiplexed_model_id", ""), []).append(index)
+    for index, model in enumerate(models):
+        groups.setdefault(model, []).append(index)
     return list(groups.values())
 
 
-def enter_batch(contexts: Sequence[Any]) -> None:
-    """Make the batch's request contexts Serve's batch context in the running task."""
+def enter_batch(contexts: list[Any]) -> None:
+    """Make the batch's request contexts (a list Serve may keep) Serve's batch context in the running task."""
     module = sys.modules.get(_CONTEXT_MODULE)
     if module is not None:
-        module._set_batch_request_context(list(contexts))
+        module._set_batch_request_context(contexts)
 
 
 def replica_max_ongoing_requests() -> int | None:

@@ -31,8 +31,11 @@ class Stream:
 
     def push(self, value: Any) -> None:
         self.values.append(value)
-        if self.waiter is not None:
-            self._wake()
+        waiter = self.waiter
+        if waiter is not None:  # _wake, inlined: once per caller and step
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.end is None:
@@ -72,9 +75,8 @@ async def fan_out(steps: AsyncIterator[Sequence[Any]], streams: list[Stream]) ->
             stream.finish(exc)
     finally:
         await steps.aclose()  # type: ignore[attr-defined]
-    for stream in streams:
-        if stream.end is None:
-            stream.finish()
+    # The streams still open end as their items settle with these results (the batcher's on_end): ending them here
+    # too would be a second call per caller.
     return [None] * len(streams)
 
 
