@@ -80,8 +80,8 @@ class DispatchPolicy:
                 self._low_credit = min(self._low_credit + size * share / (1.0 - share), self.config.max_batch_size)
         elif decision.share:
             self._low_credit -= size
-        else:  # LOW into a slot nobody else wanted: no debt to carry into the next busy spell
-            self._low_credit = max(self._low_credit, 0.0)
+        else:  # LOW into a slot nobody else wanted: what it sends counts toward its share, and no debt is carried
+            self._low_credit = max(self._low_credit - size, 0.0)
 
     def lane_trigger(self, lane: Lane, now: float) -> tuple[str | None, float]:
         """The trigger that fires for this lane now, if any; otherwise (None, when the earliest one will)."""

@@ -75,19 +75,29 @@ def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: 
                     left_padding: bool = False, max_tokens: int = CHUNK_TOKENS) -> np.ndarray:
     """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``; each engine call holds at
     most ``max_tokens`` padded positions (or one sequence)."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     rows: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
-    for chunk in length_buckets(order, sequences, max_tokens):
-        length = len(sequences[chunk[-1]])
-        input_ids = np.full((len(chunk), length), pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(chunk), length), dtype=np.int64)
-        for row, i in enumerate(chunk):
-            place = slice(length - len(sequences[i]), length) if left_padding else slice(0, len(sequences[i]))
-            input_ids[row, place] = sequences[i]
-            attention_mask[row, place] = 1
-        for i, vector in zip(chunk, engine.run(input_ids, attention_mask)):
+    for call in engine_calls(sequences, max_tokens):
+        for i, vector in zip(call, embed_call(engine, sequences, call, pad_id, left_padding)):
             rows[i] = vector
     return np.stack(rows).astype(np.float32, copy=False) if rows else np.empty((0, 0), np.float32)
+
+
+def engine_calls(sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """The engine calls that embed ``sequences``: each call's indices, of like length, within ``max_tokens``."""
+    return length_buckets(sorted(range(len(sequences)), key=lambda i: len(sequences[i])), sequences, max_tokens)
+
+
+def embed_call(engine: Engine, sequences: Sequence[Sequence[int]], call: list[int], pad_id: int,
+               left_padding: bool) -> np.ndarray:
+    """One engine call: the vectors of ``sequences[i]`` for i in ``call`` (ascending length), in that order."""
+    length = len(sequences[call[-1]])
+    input_ids = np.full((len(call), length), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(call), length), dtype=np.int64)
+    for row, i in enumerate(call):
+        place = slice(length - len(sequences[i]), length) if left_padding else slice(0, len(sequences[i]))
+        input_ids[row, place] = sequences[i]
+        attention_mask[row, place] = 1
+    return engine.run(input_ids, attention_mask)
 
 
 def length_buckets(order: list[int], sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:

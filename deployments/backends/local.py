@@ -29,7 +29,7 @@ import numpy as np
 from .. import tokens
 from ..cpu_priority import lowest_cpu_priority
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared
-from .engines import default_threads, embed_sequences, make_engine, max_call_tokens
+from .engines import default_threads, embed_call, embed_sequences, engine_calls, make_engine, max_call_tokens
 from .model_dir import ModelDir, packaged_model_path
 from .prompts import Prompts
 from .wordpieces import BoundedTokenizer
@@ -109,7 +109,7 @@ class LocalBackend(EmbeddingBackend):
         sequences = [content for content in contents if isinstance(content, tuple)]
         if not sequences:
             return outcomes  # type: ignore[return-value]
-        vectors = await asyncio.get_running_loop().run_in_executor(self._model_thread, self._embed_now, sequences)
+        vectors = await self._embed_call_by_call(sequences)
         if dimensions is not None and dimensions != self.model.dimension:
             vectors = self._shortened(vectors, dimensions)
         return _fill(outcomes, vectors)
@@ -129,6 +129,19 @@ class LocalBackend(EmbeddingBackend):
                 outcomes.append(exc)
         special = self.wordpieces.special_tokens
         return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
+
+    async def _embed_call_by_call(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The vectors, one engine call at a time on the model's thread, each sent once the one before returned: the
+        calls of batches in flight together take turns there, so a HIGH batch sent beside a LOW one (a LOW batch
+        never holds the last slot) waits for one call of it, not for the whole LOW batch."""
+        loop = asyncio.get_running_loop()
+        vectors: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
+        for call in engine_calls(sequences, self.max_call_tokens):
+            computed = await loop.run_in_executor(self._model_thread, embed_call, self.engine, sequences, call,
+                                                  self.wordpieces.pad_id, self.model.left_padding)
+            for i, vector in zip(call, computed.astype(np.float32, copy=False)):
+                vectors[i] = vector
+        return vectors
 
     def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding,

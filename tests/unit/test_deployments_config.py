@@ -29,7 +29,7 @@ def test_the_shipped_serve_config_parses() -> None:
     (model,) = config.models
     assert (model.name, model.backend, model.deployment_name) == ("all-MiniLM-L6-v2", "local", "embed-all-MiniLM-L6-v2")
     assert model.batcher == BatcherConfig(
-        max_batch_size=64, max_wait_ms=25, scale_factor=40, max_concurrent_batches=1, max_batch_cost=8192
+        max_batch_size=64, max_wait_ms=25, scale_factor=40, max_concurrent_batches=2, max_batch_cost=8192
     )
     assert model.autoscaling["policy"]["policy_function"] == "deployments.autoscaling:QueueDepthPolicy"
 
