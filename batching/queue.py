@@ -27,6 +27,7 @@ class ItemState(Enum):
 # Every item passes through these states, so they are read as module globals (see config.HIGH).
 QUEUED, DELAYED, IN_FLIGHT, DONE = ItemState.QUEUED, ItemState.DELAYED, ItemState.IN_FLIGHT, ItemState.DONE
 
+
 class Item:
     """One submitted payload, and how its caller learns the outcome: the future it awaits, or (for a caller that does
     not await, such as a stream's reader) ``on_settle``."""
@@ -79,10 +80,10 @@ class Item:
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Give the caller its outcome; False if it already has one."""
-        if self.done:
-            self.state = DONE
-            return False
+        ended = self.done
         self.state = DONE
+        if ended:
+            return False
         future = self.future
         if future is not None:
             if error is None:

@@ -39,7 +39,7 @@ class DispatchPolicy:
         self.wait_policy = wait_policy
         self._batch_cost_fn = batch_cost_fn
         # Items LOW may still send ahead of ready HIGH work (or into the last slot); it grows by low_share/(1 -
-        # low_share) for every HIGH item dispatched while LOW waits, and shrinks by what such a LOW batch carries.
+        # low_share) for every HIGH item dispatched while LOW waits, and shrinks by what every LOW batch carries.
         self._low_credit = 0.0
 
     # ---- admission ----------------------------------------------------------------------------------------------
