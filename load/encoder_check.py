@@ -6,9 +6,10 @@ directory: for every prompt choice (none: the default; each ``prompt_name``; ``i
 least cosine over the probe texts and whether ``usage`` equals the tokens embedded; an unknown prompt's 400; each
 Matryoshka size against the full vector's head, normalised again.
 
-    flock /tmp/ray.lock .venv/bin/python -m load.encoder_check [--work-dir DIR] [--out FILE]
+    flock /tmp/ray.lock .venv/bin/python -m load.encoder_check [--work-dir DIR] [--results-dir DIR]
 
-Starts its own Ray instance (``serve run``, one replica a model entry, no CPU reserved) and stops it.
+Starts its own Ray instance (``serve run``, one replica a model entry, no CPU reserved) and stops it. The rows go
+to ``encoder_check.json`` under ``--results-dir``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 
+from load.bench.report import add_results_dir_argument
 from load.bench.shipped_service import serve_run
 from load.peers.launch import Server, running
 from load.tiny_encoders import PROBES, TINY_ENCODERS, TinyEncoder, make_all, tokens_embedded
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="where the directories, the ONNX "
                         f"cache and the service's log go (default {DEFAULT_WORK_DIR})")
-    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     from sentence_transformers import SentenceTransformer
 
@@ -113,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += check_model(client, spec, engine, references[spec.name])
     for row in rows:
         print(json.dumps(row, ensure_ascii=False))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1, ensure_ascii=False))
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / "encoder_check.json"
+    out.write_text(json.dumps(rows, indent=1, ensure_ascii=False))
+    print(f"wrote {out}", file=sys.stderr)
     failed = [row for row in rows if not passed(row)]
     print(f"{len(rows) - len(failed)}/{len(rows)} checks passed", file=sys.stderr)
     return 1 if failed else 0

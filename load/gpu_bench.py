@@ -2,7 +2,7 @@
 fp32, fp16 and bf16, against sentence-transformers' own ``encode`` on the same device and precision; and each
 precision's cosine to sentence-transformers' fp32 vectors, over probe texts.
 
-    python -m load.gpu_bench [--device cuda] [--out DIR] [--model-dir DIR] [--batch-sizes 1,2,4] ...
+    python -m load.gpu_bench [--device cuda] [--results-dir DIR] [--model-dir DIR] [--batch-sizes 1,2,4] ...
 
 It imports neither Ray nor the service (``deployments.app``, pydantic), only the engine's pieces
 (``deployments.backends``: the model directory, the word-piece tokenizer, the torch engine, the length bucketing),
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from load.bench.report import RESULTS_DIR, markdown_table, write_report
+from load.bench.report import add_results_dir_argument, markdown_table, write_report
 from load.workload import pseudo_sentences
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=defaults.min_seconds)
     parser.add_argument("--max-call-tokens", type=int, help="padded positions per call (default: the device's)")
     parser.add_argument("--model-dir", type=Path, help="default: the packaged all-MiniLM-L6-v2")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where Markdown and JSON go ({RESULTS_DIR})")
+    add_results_dir_argument(parser)
     parser.add_argument("--pack-fp16", type=Path, metavar="DIR", help="write the model with fp16 weights there; exit")
     args = parser.parse_args(argv)
     if args.model_dir is None:
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(device=args.device, precisions=precisions, batch_sizes=args.batch_sizes,
                         warmup_calls=args.warmup_calls, min_calls=args.min_calls, min_seconds=args.min_seconds,
                         max_call_tokens=args.max_call_tokens)
-    run(args.model_dir, settings, args.out)
+    run(args.model_dir, settings, args.results_dir)
     return 0
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 from typing import Sequence
 
-from .report import RESULTS_DIR
+from .report import add_results_dir_argument
 from .serving import use_serve_env
 
 # Scenario name -> module. A module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; its docstring's
@@ -33,9 +32,7 @@ SCENARIOS: dict[str, str] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--results-dir", type=Path, default=RESULTS_DIR, help=f"where Markdown and JSON go (default {RESULTS_DIR})"
-    )
+    add_results_dir_argument(common)
     common.add_argument("--quick", action="store_true", help="a tiny run for CI smoke tests")
     subcommands = parser.add_subparsers(dest="scenario", required=True, metavar="scenario")
     for name, module_name in SCENARIOS.items():

@@ -23,7 +23,7 @@ from load.strategies import RunningStrategy, Strategy, select, standard_strategi
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 
-from .report import RESULTS_DIR, machine_info
+from .report import DEFAULT_RESULTS_DIR, machine_info
 from .upstream_process import add_upstream_arguments, upstream_config_from, upstream_process
 
 T = TypeVar("T")
@@ -130,7 +130,7 @@ def measure_scenario(
     disturbance = disturbance_from(args)
     with upstream_process(upstream) as root_url:
         runs = asyncio.run(measure(root_url, upstream.dim, disturbance))
-    return Measured(runs, code, upstream, disturbance, Path(getattr(args, "results_dir", None) or RESULTS_DIR))
+    return Measured(runs, code, upstream, disturbance, Path(getattr(args, "results_dir", None) or DEFAULT_RESULTS_DIR))
 
 
 async def run_strategy(

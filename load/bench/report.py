@@ -1,16 +1,32 @@
-"""Writing benchmark results: a Markdown report and a JSON twin under ``load/results/``, with the machine noted."""
+"""Writing benchmark results: a Markdown report and a JSON twin, with the machine noted.
+
+Every benchmark writes under ``--results-dir`` (``add_results_dir_argument``), by default ``DEFAULT_RESULTS_DIR``
+outside the source tree, so that a run leaves the committed results alone; ``--results-dir load/results``
+regenerates those (``load/results/README.md`` lists each scenario's command).
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+DEFAULT_RESULTS_DIR = Path(tempfile.gettempdir()) / "embedding-bench"
+
+
+def add_results_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """The one ``--results-dir`` option every benchmark takes (``args.results_dir``)."""
+    parser.add_argument(
+        "--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+        help=f"where Markdown, JSON and plots go (default {DEFAULT_RESULTS_DIR}; "
+             "load/results to regenerate the committed ones)",
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -50,7 +66,7 @@ def write_report(
 
     Returns ``data`` with the machine first: ``data["machine"]`` when present, else the machine described now.
     """
-    directory = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    directory = Path(results_dir) if results_dir is not None else DEFAULT_RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     data = {"machine": data.get("machine") or machine_info(), **data}
     markdown = f"# {title}\n\nMachine: {machine_line(data['machine'])}\n\n{body.rstrip()}\n"

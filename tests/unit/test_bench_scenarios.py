@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
 from load.bench.__main__ import build_parser
+from load.bench.report import DEFAULT_RESULTS_DIR
 from load.stats import censored_median, median, percentile
 from load.strategies import standard_strategies
 from load.workload import poisson_arrivals, pseudo_sentences
@@ -121,3 +123,11 @@ def test_the_help_lists_every_scenario(capsys):
         build_parser().parse_args(["--help"])
     assert exited.value.code == 0
     assert "5% edited" in capsys.readouterr().out  # a summary with a percent sign, which argparse would format
+
+
+@pytest.mark.parametrize("scenario", ["overhead", "peers", "backlog"])
+def test_results_go_outside_the_source_tree_unless_asked(scenario):
+    repo = Path(__file__).resolve().parents[2]
+    default = build_parser().parse_args([scenario]).results_dir.resolve()
+    assert default == DEFAULT_RESULTS_DIR.resolve() and not default.is_relative_to(repo)
+    assert build_parser().parse_args([scenario, "--results-dir", "load/results"]).results_dir == Path("load/results")

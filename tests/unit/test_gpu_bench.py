@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_benchmark_runs_on_the_cpu_and_writes_its_report(tmp_path: Path) -> None:
     assert gpu_bench.main(["--device", "cpu", "--precisions", "fp32", "--batch-sizes", "1,2", "--warmup-calls", "0",
-                           "--min-calls", "1", "--min-seconds", "0", "--out", str(tmp_path)]) == 0
+                           "--min-calls", "1", "--min-seconds", "0", "--results-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "engine_cpu.json").read_text())
     fp32 = report["results"]["fp32"]
     assert set(fp32["texts_per_s"]) == {"short", "long", "mixed"}
