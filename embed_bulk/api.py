@@ -18,9 +18,9 @@ import numpy as np
 import openai
 import orjson
 
-from deployments.backends.embeddings_body import decode_embeddings
 from embed_bulk.documents import DocId, Document
 from embed_bulk.settings import BulkSettings
+from embeddings_wire import decode_embeddings
 
 _RETRIED_STATUSES = frozenset({408, 409, 429})  # and 5xx: what the SDK retries
 _RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the SDK numbers each attempt of a call: 0 first, then 1, 2, ...

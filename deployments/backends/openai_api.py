@@ -28,10 +28,11 @@ import numpy as np
 import openai
 import orjson
 
+from embeddings_wire import decode_embeddings
+
 from .. import tokens
 from ..secrets import read_secret
 from .base import EmbeddingBackend, Item, ItemRejected, Prepared, UpstreamError
-from .embeddings_body import decode_embeddings
 
 DEFAULT_RETRY_AFTER_S = 1.0  # a 429 that does not say how long to wait
 # Inputs of a request longer than this in all (characters, or ids) are counted on a worker thread. bpe-openai counts

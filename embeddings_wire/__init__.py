@@ -1,5 +1,8 @@
 """Reading the body of an OpenAI-compatible embeddings response: what the ``openai`` backend and ``embed-bulk`` both
-read, as JSON rather than through the SDK's model objects (one per embedding: most of the SDK's cost per call)."""
+read, as JSON rather than through the SDK's model objects (one per embedding: most of the SDK's cost per call).
+
+A package of its own, beside ``deployments`` and ``embed_bulk``, importing neither: the bulk client reads the wire
+format without importing the service (``[tool.importlinter]`` in ``pyproject.toml`` keeps it so)."""
 
 from __future__ import annotations
 
