@@ -36,8 +36,9 @@ OWNED_BY = "adaptive-embeddings"
 BODY_READ_TIMEOUT_S = 30.0
 # A request's time is counted from when its handler starts, but its answer reaches the client only after the moments
 # this process cannot see: HAProxy and uvicorn before the handler, the response on its way back. Under a flood those
-# took up to ~0.35 s on 2 cores, so the service gives up this much before the deadline (as Envoy's
-# grpc_timeout_header_offset does), at most a tenth of the timeout: a 504 at 2 s + 0.35 s would come too late.
+# grow with the queues in front of the handler, so the service gives up this much before the deadline (as Envoy's
+# grpc_timeout_header_offset does), at most a tenth of the timeout: a 504 sent at the deadline would reach the
+# client after it.
 DEADLINE_MARGIN_S = 0.25
 
 

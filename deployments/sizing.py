@@ -20,9 +20,10 @@ MODEL_HEALTH_CHECK_PERIOD_S = 2.0
 DRAIN_FLOOR_ITEMS_PER_S = 150.0
 MIN_GRACEFUL_SHUTDOWN_S = 20.0
 # Serve logs a line per request on every replica by default. Written by the event loop that serves the requests, it
-# cost the ingress ~14% of its loop under a flood. The same facts are Serve's request metrics (count, status, latency
-# per route). To see them again, give the deployment `logging_config: {enable_access_log: true}` in the application's
-# `deployments:` list in serve_config.yaml (an application-wide logging_config does not override this one).
+# takes that loop's time from the requests, most under a flood, when it can least spare it. The same facts are
+# Serve's request metrics (count, status, latency per route). To see them again, give the deployment
+# `logging_config: {enable_access_log: true}` in the application's `deployments:` list in serve_config.yaml (an
+# application-wide logging_config does not override this one).
 QUIET_LOGS = {"enable_access_log": False}
 
 

@@ -44,8 +44,9 @@ def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:
 
 
 def count(text: str, encoding: str = DEFAULT_ENCODING) -> int:
-    """``len(encode(text, encoding))``, counted by the Rust tokenizer without building the list of ids: 2.7 against
-    7.1 µs a 120-character text, paid for every input of every request (a cached one too, for ``usage``)."""
+    """``len(encode(text, encoding))``, counted by the Rust tokenizer without building the list of ids (a Python
+    list of ints, most of the cost of ``encode``), paid for every input of every request (a cached one too, for
+    ``usage``)."""
     enc = get_encoding(encoding)
     try:
         return enc._backend.count(text)

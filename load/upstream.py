@@ -43,7 +43,7 @@ SERVER_OPTIONS: dict[str, Any] = {"log_level": "warning", "access_log": False, "
 
 @functools.cache
 def cl100k() -> bpe_openai.Encoding:
-    """OpenAI's cl100k_base tokenizer: offline and fast (~20 µs a short text), so token counts are exact."""
+    """OpenAI's cl100k_base tokenizer: offline and fast enough to count every input, so token counts are exact."""
     return bpe_openai.get_encoding("cl100k_base")
 
 

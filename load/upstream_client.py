@@ -1,7 +1,7 @@
 """A lean asyncio client for an OpenAI-compatible embeddings API: one call embeds a list of texts.
 
-Built on one ``aiohttp.ClientSession``: a load generator needs a client that costs little CPU per call (httpx's
-AsyncClient measured ~7 ms per request on a 2-core machine, aiohttp a small fraction of that). Vectors come as
+Built on one ``aiohttp.ClientSession``: a load generator needs a client that costs little CPU per call, since it
+shares the machine with the service it measures, and httpx's AsyncClient costs many times aiohttp's. Vectors come as
 base64 (little-endian float32), which is cheaper for both sides than JSON floats.
 """
 

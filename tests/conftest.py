@@ -1,9 +1,9 @@
 """What every suite shares: one Ray instance and one Serve HTTP proxy for the whole pytest session, and the
 application from ``serve_config.yaml`` on it.
 
-Starting Ray costs ~10 s on two cores and an application tens of seconds more, so ``tests/integration`` and
-``tests/reliability`` use one default application, built with its own builder once, and deploy their other
-applications beside it. Both are started only when a test asks for them (the unit tests never do).
+Starting Ray is slow, and an application on it slower still (its replicas load their models), so
+``tests/integration`` and ``tests/reliability`` use one default application, built with its own builder once, and
+deploy their other applications beside it. Both are started only when a test asks for them (the unit tests never do).
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ import numpy as np
 from .model_dir import ModelDir
 
 # Padded positions in one model call (about 10 inputs of 25 word pieces, 1 of 256). Small calls keep the activations
-# in the core's cache (2 MB of L2 here) and pad each run of sorted lengths to a closer maximum: one thread, batches of
-# 16 and 32 short texts took 4.8 and 4.2 ms/text in calls of at most 256 positions, 5.4 and 4.6 at 512, 5.7 and 6.5
-# in one call; from outside (`serve run`, 2 rounds), c64 served 304-313 single texts/s at 256, 289-290 at 512.
-# Packing several texts into one row with a block-diagonal attention mask, to pad nothing, measured slower (5-25%).
+# in the core's cache (2 MB of L2 here) and pad each run of sorted lengths to a closer maximum, so a CPU spends its
+# time on the texts rather than on padding and memory traffic; a larger chunk or one call per batch costs more per
+# text. Packing several texts into one row with a block-diagonal attention mask pads nothing, but the mask makes each
+# row's attention as wide as the whole row, which costs more than the padding it saves.
 CHUNK_TOKENS = 256
 # On a GPU one call's rows run in parallel and each call costs a fixed launch and copy overhead, so a call should hold
 # as many texts as the batch brings: 16384 positions are 64 texts of 256 word pieces (MiniLM's longest), a few
@@ -37,10 +37,9 @@ class Engine(Protocol):
 
 def default_threads() -> int:
     """The CPUs this process reserved, as Ray tells it through ``OMP_NUM_THREADS`` (a replica's ``num_cpus``), so the
-    replicas on a node never compute on more cores than they reserved together: on 2 cores, two replicas of two
-    threads served 20-30% fewer texts/s than one replica of two, two replicas of one thread 7-10% more with
-    single texts at concurrency 64 and 12-20% more with 64-text requests. Without it (outside Ray),
-    every core this process may run on."""
+    replicas on a node never compute on more cores than they reserved together: replicas whose threads outnumber the
+    cores contend for them and serve less, while one thread a reserved core lets each replica run its own batch
+    without stepping on another's. Without it (outside Ray), every core this process may run on."""
     cores = len(os.sched_getaffinity(0))
     reserved = os.environ.get("OMP_NUM_THREADS", "")
     return min(int(reserved), cores) if reserved.isdigit() and int(reserved) >= 1 else cores

@@ -92,7 +92,7 @@ class LocalBackend(EmbeddingBackend):
 
     async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
         if any(not isinstance(item, str) for item in items):
-            await tokens.load_async(tokens.DEFAULT_ENCODING)  # ~1 s, once per process, on neither worker thread
+            await tokens.load_async(tokens.DEFAULT_ENCODING)  # slow, once per process, on neither worker thread
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare_now, items,
                                                                 prompt)
 

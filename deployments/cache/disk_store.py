@@ -4,16 +4,16 @@ Process-safe (SQLite's locking), bounded in bytes (``size_limit``: every write e
 entries while the directory's volume is over it), with an optional expiry. The directory is created readable by
 this user only: it holds vectors of users' texts.
 
-Lookups are plain reads on the event loop, one query a lookup (``read_many``: ~1 ms for 256 keys in the page cache,
-against ~2.3 ms for diskcache's one query a key); one that waits for another process's lock longer than
-``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
+Lookups are plain reads on the event loop, one query a lookup (``read_many``; diskcache's own API makes one query a
+key, paying SQLite's per-statement cost 256 times for a bulk request); one that waits for another process's lock
+longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
 Writes, which run after the request was answered, go to a process of their own (``disk_writer.py`` says why),
 started with the first write and again after it ends. Choices that keep lookups quick (README, "Cache": a bulk
 re-run with 16 requests of 256 keys in flight):
 - eviction by store time, so a read never writes: under diskcache's LRU policy each read is a write transaction,
-  and the lookups queued on SQLite's write lock (64% of the re-run's tokens billed again, 7% with reads only);
+  and the lookups queue on SQLite's write lock past their timeout, so cached texts are missed and billed again;
 - reads on the loop, not a worker thread, where each of a lookup's SQLite calls must win the GIL back from the busy
-  loop (31% billed).
+  loop, which makes lookups outlast their timeout in the same way.
 """
 
 from __future__ import annotations

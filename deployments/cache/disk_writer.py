@@ -4,13 +4,13 @@ ttl_s)``), writes each frame's entries in one transaction and answers one line p
 the exception that failed it. It ends when stdin closes.
 
 Why a process: each SQLite call gives up the GIL and must win it back, and diskcache makes five a key. On a thread
-of a replica, beside its busy event loop, a writer managed 65 keys a second (17,000 alone), so during a
-100,000-document bulk run the write-backs queued past their timeout and 27% of the vectors were never stored.
+of a replica, beside its busy event loop, a writer wins the GIL back so rarely that a bulk run's write-backs queue
+past their timeout and many vectors are never stored.
 
 The process runs at the lowest CPU priority, and evicts once a frame rather than once a key (``cull_limit=0``, then
-``Cache.cull``; a write 34 → 23 µs a key): during a cold bulk run, which already fills a 2-core machine, it took 28%
-of a core (22.5% since) beside the request path, and the interactive requests beside the job pay for that CPU
-(README "Cache": night 1's HIGH latency).
+``Cache.cull``, so the store's volume is checked once a frame instead of on every key): during a cold bulk run,
+which already fills the machine's cores, its writes compete with the request path, and the interactive requests
+beside the job would pay for that CPU (README "Cache": night 1's HIGH latency).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..cpu_priority import lowest_cpu_priority
 
 EVICTION_POLICY = "least-recently-stored"  # a read never writes (README "Cache")
 # SQLite reads the database through a memory map this long (diskcache's default, 64 MiB, is 40,000 vectors of 384
-# floats; past it each page is a read() call): a 256-key lookup in a 100,000-vector store 1.62 -> 1.21 ms.
+# floats; past it each page is a read() call, a system call a lookup's keys pay for one by one).
 MMAP_BYTES = 2**30
 HEADER = struct.Struct(">I")
 COMMAND = "from deployments.cache.disk_writer import main; main()"  # for ``python -c``

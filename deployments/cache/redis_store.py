@@ -7,9 +7,9 @@ settings and logs a warning if the server is unbounded or refuses writes when fu
 and cost later misses, never a request). The URL (it may carry the password) and the password come from the
 environment or a file, like the API keys (``deployments/secrets.py``); neither is ever logged.
 
-A write-back's entries go in one command, a script that sets each with its TTL: a pipeline of one ``SET`` an entry
-cost the replica's event loop 17-20 µs of CPU an entry (redis-py builds and parses each command), the script 3.5;
-during a cold bulk night that loop also serves the interactive requests. A server that refuses scripts (an ACL
+A write-back's entries go in one command, a script that sets each with its TTL: with a pipeline of one ``SET`` an
+entry, redis-py builds and parses a command for every entry on the replica's event loop, and during a cold bulk night
+that loop also serves the interactive requests. A server that refuses scripts (an ACL
 without ``@scripting``, or a managed server that disables them) gets the pipeline instead, from its first refusal on.
 """
 

@@ -22,8 +22,8 @@ logger = logging.getLogger("ray.serve")
 
 COOL_DOWN_S = 1.0  # after a failed read, how long the store is not asked
 # A write runs after its request was answered, so it may take longer than a read: a bulk job's 256-vector write to
-# the disk store took more than the 50 ms a read gets on a busy 2-core machine, and cutting it short (and then
-# skipping the store for a second) lost a sixth of night 1's vectors (night 2 billed 21% of its tokens, not 7%).
+# the disk store can outlast the time a read gets on a busy machine, and cutting it short (and then skipping the
+# store for a second) loses vectors the next night then computes and bills again.
 WRITE_TIMEOUT_S = 5.0
 
 

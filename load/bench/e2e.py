@@ -80,7 +80,8 @@ class ServeBatchedModel:
 
 @dataclass(frozen=True)
 class Settings:
-    # (concurrency, requests); 300 at c1, whose P50 the upstream's jitter moves by ~1.7 ms over 100 requests
+    # (concurrency, requests); 300 at c1, whose P50 the upstream's jitter would move too much over fewer, against
+    # the few milliseconds the target allows
     levels: tuple[tuple[int, int], ...] = ((1, 300), (16, 800), (64, 1600))
     repeats: int = 2
     mean_chars: int = 120

@@ -85,8 +85,7 @@ UNBATCHED = {"max_batch_size": 1, "max_wait_ms": 0.0, "max_batch_tokens": None}
 
 SIM_MODEL = "sim-embed"  # the model the benchmarks on the simulated upstream serve
 # As many batches in flight as the simulated upstream serves at once (its provider concurrency): with fewer, the
-# service left slots of the upstream unused while its batches waited for one of its own (c64 from outside: 640 vs
-# 573 texts/s, medians of 6 interleaved runs).
+# service leaves slots of the upstream unused while its batches wait for one of its own.
 SIM_BATCHING = {"max_batch_size": 200, "max_wait_ms": 25.0, "scale_factor": 15.0,
                 "max_concurrent_batches": UpstreamConfig().max_concurrency}
 

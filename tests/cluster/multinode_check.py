@@ -54,7 +54,7 @@ CI_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "l
 TEXTS_PER_SCALING_REQUEST = 16  # 24 callers of 16 texts: ~6x the queue depth one replica's target allows
 SCALING_CALLERS = 24
 HANG_S = 30.0  # a request unanswered this long counts as hung
-REPLICA_START_TIMEOUT_S = 120.0  # a replica loads the model in 10-30 s on a busy 2-core machine
+REPLICA_START_TIMEOUT_S = 120.0  # generous: loading the model competes for the cores with the load on a busy machine
 LOSS_RATE_PER_S, LOSS_DURATION_S, KILL_AT_S = 16.0, 12.0, 3.0
 
 

@@ -41,7 +41,7 @@ from embed_bulk.interrupt import Interruption
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 300
 HANG_S = 60.0  # generous: a run that takes this long after a signal is hung, not slow
-SIGNAL_WINDOW_S = 0.4  # signals land within this long after a run took its output's lock (a run takes ~0.5 s)
+SIGNAL_WINDOW_S = 0.4  # signals land within this long after a run took its output's lock, before it can finish
 UPSTREAM_FLAGS = ["--dim", "16", "--base-latency-ms", "30", "--jitter", "0.3", "--max-concurrency", "8"]
 FORK_SERVER = multiprocessing.get_context("forkserver")
 
