@@ -314,6 +314,9 @@ class ModelConfig(_Section):
 class IngressConfig(_Section):
     max_ongoing_requests: Annotated[int, _int_at_least(1)] = 1024
     num_replicas: Annotated[int, _int_at_least(1)] = 1
+    # On a cluster, 1 with num_replicas = the node count: every node's proxy then has an ingress of its own, so a
+    # node's loss takes no other node's requests with it (Serve's proxy answers a request whose ingress died 500).
+    max_replicas_per_node: Count = None
     max_body_bytes: Annotated[int, _int_at_least(1024)] = DEFAULT_MAX_BODY_BYTES
     env_vars: Annotated[dict[str, str], _rule(
         lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(s, str) for k, s in v.items()),

@@ -58,7 +58,11 @@ def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
         "name": "EmbeddingsIngress",
         "max_ongoing_requests": max(config.ingress.max_ongoing_requests, model_capacity),
         "num_replicas": config.ingress.num_replicas,
-        "max_surge_percent": 100,  # it reserves no CPU: the new ingress starts before the old one stops
+        **({"max_replicas_per_node": config.ingress.max_replicas_per_node}
+           if config.ingress.max_replicas_per_node is not None else {}),
+        # It reserves no CPU: the new ingress starts before the old one stops. Not where a node holds only so many:
+        # the old one must leave room first, and the other nodes' ingresses serve meanwhile.
+        "max_surge_percent": 100 if config.ingress.max_replicas_per_node is None else 0,
         "ray_actor_options": ingress_actor_options(config.ingress),
         "logging_config": QUIET_LOGS,
     }

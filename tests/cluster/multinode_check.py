@@ -8,8 +8,9 @@ all-MiniLM-L6-v2, offline) from the cluster config's own args, and checks, in or
 2. ``autoscaling``: under a queue deeper than the target, the queue-depth policy adds a replica, and it lands on the
    node with a free CPU, so both nodes hold one;
 3. ``every_proxy``: requests through each node's own proxy port are answered, with the same vectors for the same texts;
-4. ``node_loss``: the worker node killed under load (requests spread over both proxies): no request hangs, each is
-   answered (a vector, or an error in OpenAI's shape) or its connection closed, and the head's proxy ends serving;
+4. ``node_loss``: the worker node killed under load (requests spread over both proxies), with one ingress replica
+   on each node: no request hangs, every request that reached the surviving (head) node's proxy is answered with its
+   vectors, and only the lost node's own connections fail;
 5. ``replacement``: the lost replica waits for capacity, and once a node is added it starts there (whose proxy serves).
 
 Each step's outcome and figures go to the JSON report; the first failed step ends the run with exit status 1 and
@@ -46,6 +47,7 @@ CLUSTER_CONFIG = ROOT / "serve_config.cluster.yaml"
 APP_NAME = "embeddings"
 MODEL = "all-MiniLM-L6-v2"
 DEPLOYMENT = f"embed-{MODEL}"
+INGRESS = "EmbeddingsIngress"
 DIM = 384
 # The cluster config's autoscaling with delays of seconds (the reliability suite's CI timings), one replica to start
 # and a downscale that never comes within the run, so the lost replica is one the deployment still wants.
@@ -174,6 +176,7 @@ class Run:
 
     async def node_loss(self) -> None:
         victim = self.cluster.workers[0]
+        ingress_nodes = [replica.node_id for replica in replicas_of.replicas(APP_NAME, INGRESS)]
         offsets = np.cumsum(np.random.default_rng(3).exponential(1 / LOSS_RATE_PER_S, 10_000))
         offsets = offsets[offsets < LOSS_DURATION_S].tolist()
         texts = pseudo_sentences(len(offsets), seed=2)
@@ -196,6 +199,8 @@ class Run:
         surviving = [outcome.kind for _, outcome in head]
         self.report["node_loss"] = {
             "requests": len(outcomes), "killed_at_s": round(killed_at, 2), "outcomes": tally,
+            "ingress_replicas_on_lost_node": ingress_nodes.count(victim.node_id),
+            "ingress_replicas_on_head": ingress_nodes.count(self.cluster.head.node_id),
             "error_statuses": sorted({o.status for o in outcomes if o is not None and o.kind == "error"}),
             "surviving_proxy": {kind: surviving.count(kind) for kind in ("ok", "error", "closed")},
             "surviving_proxy_errors": sorted({o.message for _, o in head if o.kind == "error"}),
@@ -203,8 +208,11 @@ class Run:
         }
         if tally["hung"] or result.backlog:
             raise CheckFailed(f"{tally['hung'] + result.backlog} request(s) hung after the node was lost")
-        # Not yet a failed check: a request at the surviving node's proxy still gets a 500 in about one run of five.
-        if not tail or any(outcome.kind != "ok" for outcome in tail):
+        if ingress_nodes.count(self.cluster.head.node_id) != 1:
+            raise CheckFailed(f"expected one ingress replica on each node, found {node_counts(ingress_nodes)}")
+        if any(kind != "ok" for kind in surviving):
+            raise CheckFailed(f"a request that reached the surviving node's proxy failed: {self.report['node_loss']}")
+        if not tail:
             raise CheckFailed(f"the surviving node's proxy was not serving by the end: {self.report['node_loss']}")
 
     async def replacement(self) -> None:

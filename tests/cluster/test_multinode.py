@@ -34,4 +34,6 @@ def test_two_nodes_place_serve_lose_a_node_and_scale_onto_free_cpu(tmp_path: Pat
     assert report["passed"] == list(STEPS)
     assert report["autoscaling"]["new_replica_on_free_node"]
     assert report["node_loss"]["outcomes"]["hung"] == 0
+    assert report["node_loss"]["surviving_proxy"] == {"ok": report["node_loss"]["surviving_proxy"]["ok"],
+                                                      "error": 0, "closed": 0}
     assert report["replacement"]["added_node_proxy"] == "ok"

@@ -137,3 +137,15 @@ def test_the_ingress_admits_at_least_what_the_models_can_take() -> None:
     options = ingress_deployment_options(config)
     assert options["max_ongoing_requests"] == 2 * (10_000 + 1024)  # 2 replicas x (a full queue + batches in flight)
     assert options["ray_actor_options"] == {"num_cpus": 0, "runtime_env": {"env_vars": {"EMBEDDINGS_API_KEYS": "k"}}}
+
+
+def test_an_ingress_per_node_on_a_cluster_leaves_room_before_its_replacement_starts() -> None:
+    anywhere = ingress_deployment_options(parse_app_config({"models": [{"name": "a"}]}))
+    assert "max_replicas_per_node" not in anywhere and anywhere["max_surge_percent"] == 100
+    per_node = parse_app_config({"models": [{"name": "a"}],
+                                 "ingress": {"num_replicas": 2, "max_replicas_per_node": 1}})
+    options = ingress_deployment_options(per_node)
+    assert options["max_replicas_per_node"] == 1
+    assert options["max_surge_percent"] == 0  # a new ingress could not start on a node whose old one still runs
+    with pytest.raises(ValueError, match="max_replicas_per_node"):
+        parse_app_config({"models": [{"name": "a"}], "ingress": {"max_replicas_per_node": 0}})
