@@ -50,14 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Scenarios that start Ray as a cluster's nodes do, without serve.env (README "Running on a cluster").
+# Scenarios that start Ray as a cluster's nodes do, without serve.env (README "Running on a cluster"): `cluster`,
+# and `quota` on more than one node.
 WITHOUT_SERVE_ENV = {"cluster"}
+
+
+def starts_a_cluster(argv: Sequence[str]) -> bool:
+    if argv[:1] == ["quota"]:
+        nodes = argparse.ArgumentParser(add_help=False)
+        nodes.add_argument("--nodes", type=int, default=1)
+        return nodes.parse_known_args(argv[1:])[0].nodes > 1
+    return bool(argv[:1]) and argv[0] in WITHOUT_SERVE_ENV
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The others run Ray as `serve run` does; this must precede the scenarios' imports of Ray Serve.
-    if argv[:1] and argv[0] not in WITHOUT_SERVE_ENV:
+    if argv[:1] and not starts_a_cluster(argv):
         use_serve_env(blocking_handles=True)
     args = build_parser().parse_args(argv)
     args.run(args)

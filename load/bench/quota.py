@@ -2,7 +2,10 @@
 
 One Ray cluster runs the application with two replicas of the ``openai`` backend, pointed at the simulated upstream
 (its own process) with ``--rpm``/``--tpm`` limits, and the model entry's ``limits:`` set to the same (with
-``--headroom``): both replicas claim from one budget. Two measured runs, one after the other:
+``--headroom``): both replicas claim from one budget. With ``--nodes 1`` (the default) the cluster is one Ray node
+started as ``serve run`` starts it (``serve.env``); with ``--nodes N`` it is ``load.bench cluster``'s: N nodes of one
+CPU each (``load.multinode``), a replica and an ingress on each, Serve's proxy on every node, the job sent to the
+head's proxy and the HIGH stream to the last node's. Two measured runs, one after the other:
 
 1. the HIGH stream alone (single texts, Poisson arrivals, ``X-Priority: high``);
 2. ``embed-bulk`` (``python -m embed_bulk``, LOW) over every document, with the same stream running from the job's
@@ -22,11 +25,13 @@ import asyncio
 import dataclasses
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from deployments import tokens
+from load.multinode import local_cluster, wait_for_proxies
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
@@ -52,12 +57,17 @@ class Settings:
     tpm: int = 60_000
     headroom: float = 0.95
     replicas: int = 2
+    nodes: int = 1
     high_rate_per_s: float = 5.0
     baseline_s: float = 30.0
     # Requests in flight wait their turn for the quota: 16 of 256 documents (embed-bulk's default) is ~1.6 minutes of
     # this TPM, past embed-bulk's 120 s timeout, and every request it gave up on and sent again was billed again.
     job_concurrency: int = 4
     job_batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("quota: --nodes must be >= 1")
 
 
 QUICK = Settings(documents=300, rpm=600, tpm=20_000, high_rate_per_s=2.0, baseline_s=3.0)
@@ -75,40 +85,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
     upstream = dataclasses.replace(upstream_config_from(args), rpm=settings.rpm, tpm=settings.tpm)
-    with upstream_process(upstream) as root_url, serve_cluster() as proxy:
-        return measure(proxy, root_url, upstream, settings, getattr(args, "results_dir", None))
+    with upstream_process(upstream) as root_url, _service(settings, root_url) as (job_url, stream_url):
+        return measure(job_url, stream_url, root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
-def measure(proxy: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
-            results_dir: Any = None) -> dict[str, Any]:
+@contextmanager
+def _service(settings: Settings, root_url: str) -> Iterator[tuple[str, str]]:
+    """The application on a fresh cluster of ``settings.nodes`` nodes; yields the URLs the job and the HIGH stream
+    are sent to."""
+    from ray import serve
+
     from deployments.app import build_app
 
     entry = {**sim_model_entry(f"{root_url}/v1"), "num_replicas": settings.replicas,
              "limits": {"rpm": settings.rpm, "tpm": settings.tpm, "headroom": settings.headroom}}
+    if settings.nodes == 1:
+        with serve_cluster() as proxy, deployed(proxy, {"quota": build_app({"models": [entry]})}, SIM_MODEL) \
+                as (target,):
+            yield target.url, target.url
+        return
+    entry["ray_actor_options"] = {"num_cpus": 1}  # one CPU per node: the replicas spread over the nodes
+    ingress = {"num_replicas": settings.nodes, "max_replicas_per_node": 1}
+    with local_cluster(settings.nodes) as cluster:
+        serve.run(build_app({"models": [entry], "ingress": ingress}), name="quota", route_prefix="/")
+        wait_for_proxies(cluster.nodes)
+        yield cluster.head.proxy_url, cluster.nodes[-1].proxy_url
+
+
+def measure(job_url: str, stream_url: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
+            results_dir: Any = None) -> dict[str, Any]:
     documents = pseudo_sentences(settings.documents, settings.mean_chars, seed=0)
     stream_texts = pseudo_sentences(int(settings.high_rate_per_s * 1800), settings.mean_chars, seed=1)
     job_tokens = sum(tokens.count(text) for text in documents)
-    with deployed(proxy, {"quota": build_app({"models": [entry]})}, SIM_MODEL) as (target,), \
-            tempfile.TemporaryDirectory(prefix="bench-quota-") as work:
+    with tempfile.TemporaryDirectory(prefix="bench-quota-") as work:
         input_path = write_documents(documents, Path(work) / "documents.jsonl")
-        runs = asyncio.run(_runs(target.url, root_url, documents, stream_texts, input_path, settings, upstream.dim))
+        runs = asyncio.run(_runs(job_url, stream_url, root_url, documents, stream_texts, input_path, settings,
+                                 upstream.dim))
     data = summarise(runs, settings, upstream, job_tokens)
-    return write_report("quota", "One provider quota, shared: bulk beside interactive traffic", render(data), data,
+    name = "quota" if settings.nodes == 1 else f"quota_{settings.nodes}_nodes"
+    return write_report(name, "One provider quota, shared: bulk beside interactive traffic", render(data), data,
                         results_dir)
 
 
-async def _runs(url: str, root_url: str, documents: list[str], stream_texts: list[str], input_path: Path,
-                settings: Settings, dim: int) -> dict[str, Any]:
+async def _runs(job_url: str, stream_url: str, root_url: str, documents: list[str], stream_texts: list[str],
+                input_path: Path, settings: Settings, dim: int) -> dict[str, Any]:
     async with UpstreamClient(root_url) as upstream:
         await upstream.wait_idle()
-        alone = await high_stream(url, stream_texts, settings.high_rate_per_s, settings.baseline_s, dim)
+        alone = await high_stream(stream_url, stream_texts, settings.high_rate_per_s, settings.baseline_s, dim)
         alone_upstream = await upstream.stats()
         samples: list[tuple[float, dict[str, Any]]] = []
         sampling = asyncio.ensure_future(_sample(upstream, samples))
         try:
-            job = await bulk_job(url, upstream, documents, input_path, dim, concurrency=settings.job_concurrency,
+            job = await bulk_job(job_url, upstream, documents, input_path, dim, concurrency=settings.job_concurrency,
                                  batch_size=settings.job_batch_size, stream_texts=stream_texts,
-                                 stream_rate_per_s=settings.high_rate_per_s)
+                                 stream_rate_per_s=settings.high_rate_per_s, stream_url=stream_url)
         finally:
             sampling.cancel()
         job_upstream = await upstream.stats()
@@ -202,7 +232,8 @@ def render(data: dict[str, Any]) -> str:
     ]
     return f"""\
 Upstream (its own process): {settings['rpm']:,} requests/min and {settings['tpm']:,} tokens/min, OpenAI's \
-`x-ratelimit-*` headers on every answer. Service: {settings['replicas']} replicas of the `openai` backend with \
+`x-ratelimit-*` headers on every answer. Service: {settings['replicas']} replicas of the `openai` backend on \
+{settings['nodes']} Ray node(s) with \
 `limits: {{rpm: {settings['rpm']}, tpm: {settings['tpm']}, headroom: {settings['headroom']}}}`. HIGH stream: single \
 texts, Poisson at {settings['high_rate_per_s']:g}/s ({settings['baseline_s']:g} s alone). Job: `embed-bulk` at LOW, \
 {settings['documents']:,} documents (~{settings['mean_chars']} characters, {data['job_tokens']:,} tokens), \
