@@ -37,7 +37,7 @@ class BatcherConfig:
     max_retries: int = 1
     dedupe: bool = True
     low_share: float = 0.1  # while HIGH keeps every slot busy, LOW still gets this fraction of the items sent
-    stall_factor: float | None = 4.0  # the load sweep in load/ chose it (README: "Choosing the default")
+    stall_factor: float | None = 4.0  # the load sweep in load/ chose it (docs/batching.md "Choosing the default")
     # Where this batcher differs from @serve.batch on purpose, each switch gives Serve's behaviour when turned:
     split_on_failure: bool = True  # a raising call is bisected so a poisonous item fails alone (Serve: all fail)
     refuse_oversized: bool = False  # an item alone over max_batch_cost travels alone (Serve: ItemTooLarge)

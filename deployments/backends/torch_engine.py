@@ -123,7 +123,7 @@ def cuda_device() -> torch.device:
         f"device cuda: torch finds no CUDA device (torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES="
         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}; torch {torch.__version__}, torch.version.cuda="
         f"{build}). "
-        + ("This torch is the CPU build: install the CUDA build (README: 'The local model on a GPU')."
+        + ("This torch is the CPU build: install the CUDA build (README: the model entry's `device`)."
            if build is None else
            "Check that the machine has an NVIDIA GPU and driver (nvidia-smi), that CUDA_VISIBLE_DEVICES names it, "
            "and that a Ray replica reserves it (num_gpus).")

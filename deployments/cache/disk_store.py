@@ -8,7 +8,7 @@ Lookups are plain reads on the event loop, one query a lookup (``read_many``; di
 key, paying SQLite's per-statement cost 256 times for a bulk request); one that waits for another process's lock
 longer than ``lock_timeout_s`` (the guard's timeout) raises, which the guard serves as a miss.
 Writes, which run after the request was answered, go to a process of their own (``disk_writer.py`` says why),
-started with the first write and again after it ends. Choices that keep lookups quick (README, "Cache": a bulk
+started with the first write and again after it ends. Choices that keep lookups quick (docs/cache.md: a bulk
 re-run with 16 requests of 256 keys in flight):
 - eviction by store time, so a read never writes: under diskcache's LRU policy each read is a write transaction,
   and the lookups queue on SQLite's write lock past their timeout, so cached texts are missed and billed again;

@@ -10,7 +10,7 @@ past their timeout and many vectors are never stored.
 The process runs at the lowest CPU priority, and evicts once a frame rather than once a key (``cull_limit=0``, then
 ``Cache.cull``, so the store's volume is checked once a frame instead of on every key): during a cold bulk run,
 which already fills the machine's cores, its writes compete with the request path, and the interactive requests
-beside the job would pay for that CPU (README "Cache": night 1's HIGH latency).
+beside the job would pay for that CPU (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import diskcache
 
 from ..cpu_priority import lowest_cpu_priority
 
-EVICTION_POLICY = "least-recently-stored"  # a read never writes (README "Cache")
+EVICTION_POLICY = "least-recently-stored"  # a read never writes (docs/cache.md)
 # SQLite reads the database through a memory map this long (diskcache's default, 64 MiB, is 40,000 vectors of 384
 # floats; past it each page is a read() call, a system call a lookup's keys pay for one by one).
 MMAP_BYTES = 2**30

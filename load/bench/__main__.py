@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Scenarios that start Ray as a cluster's nodes do, without serve.env (README "Running on a cluster"): `cluster`,
+# Scenarios that start Ray as a cluster's nodes do, without serve.env (docs/cluster.md): `cluster`,
 # and `quota` on more than one node.
 WITHOUT_SERVE_ENV = {"cluster"}
 

@@ -59,8 +59,8 @@ _SEPARATE_ROUTER_LOOP = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 
 
 def without_serve_env() -> dict[str, str]:
-    """This process's environment without ``serve.env``'s Serve settings: how a cluster's nodes start (README "Running
-    on a cluster": Serve's own proxy on every node), for a process that starts one."""
+    """This process's environment without ``serve.env``'s Serve settings: how a cluster's nodes start (docs/cluster.md:
+    Serve's own proxy on every node), for a process that starts one."""
     return {key: value for key, value in os.environ.items() if key not in serve_env()}
 
 

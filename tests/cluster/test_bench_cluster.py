@@ -1,5 +1,5 @@
 """A smoke run of ``python -m load.bench cluster --quick``: one node and two nodes answer every request with the
-vector of its text. No timing is asserted; the figures come from the full run (README, "Running on a cluster").
+vector of its text. No timing is asserted; the figures come from the full run (docs/cluster.md).
 
 The benchmark connects to clusters of its own, so it runs in a process of its own (this session may hold another)."""
 

@@ -1,10 +1,10 @@
 """Run reliability scenarios outside pytest, at CI or full scale, and record their figures.
 
-    python -m tests.reliability.run all --scale full          # every scenario, as in RELIABILITY.md
+    python -m tests.reliability.run all --scale full          # every scenario, as in docs/reliability.md
     python -m tests.reliability.run errors-500 overload       # some, at CI scale
 
 Each scenario starts what it needs (its own Ray instance on loopback, the simulated upstream in a subprocess, the
-application), prints one Markdown row of the RELIABILITY.md table and writes its figures to
+application), prints one Markdown row of the docs/reliability.md table and writes its figures to
 ``tests/reliability/results/<scenario>-<scale>.json``.
 """
 

@@ -1,4 +1,4 @@
-"""How big each scenario runs: ``ci`` (seconds of load, the default) or ``full`` (the figures in RELIABILITY.md).
+"""How big each scenario runs: ``ci`` (seconds of load, the default) or ``full`` (the figures in docs/reliability.md).
 
 Choose with ``RELIABILITY_SCALE=full`` (pytest) or ``python -m tests.reliability.run <scenario> --scale full``.
 """

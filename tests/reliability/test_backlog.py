@@ -1,5 +1,5 @@
 """The backlog under floods (findings 1-5 of the backlog issue), as ``python -m load.bench backlog`` measures it at
-full scale for RELIABILITY.md: the load comes from that benchmark in its own process, at CI scale (``--quick``),
+full scale for docs/reliability.md: the load comes from that benchmark in its own process, at CI scale (``--quick``),
 and every status and latency is taken there.
 
 - ``low-flood``: a LOW bulk flood beside a HIGH stream with ``X-Request-Timeout: 2``: HIGH answered 200 on time.

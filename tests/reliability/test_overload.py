@@ -86,5 +86,5 @@ def test_five_times_capacity_is_refused_early_and_latency_recovers(target: Targe
     assert extra["max_queue_depth_seen"] <= MAX_QUEUE_DEPTH, extra
     assert extra["rss_mib"]["peak"] - extra["rss_mib"]["before"] < 100, extra
     assert result.billed <= result.sent_clean
-    # How fast latency recovers after the overload is measured at full scale (RELIABILITY.md), not asserted here:
+    # How fast latency recovers after the overload is measured at full scale (docs/reliability.md), not asserted here:
     # at CI scale the calm tail is 2.5 s, and on a busy machine the queue may still be draining when it ends.

@@ -52,7 +52,7 @@ class Plan:
 def serving_again(outcomes: "list[Outcome]", tail: float = 0.1) -> bool:
     """Did the run end serving normally? Its last requests (by start time; 10%, at least 3) all succeeded, or were
     refused with a 400 for holding a poisoned input. Judged by outcomes, not latency, so a busy machine cannot fail
-    it; recovery time is reported (RELIABILITY.md), not asserted."""
+    it; recovery time is reported (docs/reliability.md), not asserted."""
     ordered = sorted(outcomes, key=lambda outcome: outcome.start)
     last = ordered[-max(3, int(len(ordered) * tail)):]
     return all(o.kind == "ok" or (o.plan.poisoned and o.status == 400) for o in last)
