@@ -3,8 +3,8 @@
 from .batcher import AdaptiveBatcher
 from .config import BatcherConfig, Priority
 from .decorator import adaptive_batch, batch_options
-from .errors import (BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded,
-                     is_retryable)
+from .errors import (BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, NeverFits,
+                     Overloaded, is_retryable)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, FixedWait, WaitPolicy
 from .serve_compat import batch
@@ -22,6 +22,7 @@ __all__ = [
     "DepthScaledWait",
     "FixedWait",
     "ItemTooLarge",
+    "NeverFits",
     "Overloaded",
     "Priority",
     "WaitPolicy",

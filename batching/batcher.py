@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
+from .admission import Admission, DrainRate
 from .config import HIGH, LOW, BatcherConfig, Priority
 from .counting import CountingMetrics
 from .errors import (BatcherClosed, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded, is_retryable,
@@ -33,8 +34,6 @@ BatchCostFn = Callable[[list[P]], float]
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_EWMA = 1 / 8  # also the weight of the latest batch size in the mean batch size
-_HISTORY_BATCHES = 8  # batches sent before the drain rate is trusted for deadline admission
 _NO_METRICS = BatcherMetrics()
 
 
@@ -78,8 +77,8 @@ class AdaptiveBatcher(Generic[P, R]):
         self._closing = False
         self._drain = True
         self._settled: asyncio.Event | None = None
-        self._mean_latency = 0.0
-        self._mean_batch = 0.0
+        self._admission = Admission(config)
+        self._rate = DrainRate()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -110,7 +109,7 @@ class AdaptiveBatcher(Generic[P, R]):
             self._pump()
 
     def _apply(self, config: BatcherConfig, wait_policy: WaitPolicy | None) -> None:
-        self._config = self._policy.config = config
+        self._config = self._policy.config = self._admission.config = config
         self._custom_policy = wait_policy
         self._policy.wait_policy = wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor)
 
@@ -230,29 +229,13 @@ class AdaptiveBatcher(Generic[P, R]):
             raise BatcherClosed("batcher is closed")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if count > self._config.max_queue_depth:
-            raise ValueError(f"{count} items can never fit a queue of max_queue_depth={self._config.max_queue_depth}")
-        waiting = len(self._lanes) + len(self._delayed)  # items waiting out a Retry-After will queue again
-        if waiting + count > self._policy.admission_limit(priority):
-            self._refuse(count, f"batcher {self.name!r} queue is full ({waiting} waiting)")
-        if timeout_s is not None and self._metrics.batches >= _HISTORY_BATCHES:
-            lanes = self._lanes
-            ahead = lanes[HIGH].depth + (lanes[LOW].depth if priority is LOW else 0)
-            expected_s = (ahead + count) / self._items_per_s() + self._mean_latency
-            if expected_s > timeout_s:  # refused now, rather than answered with a DeadlineExceeded when it passes
-                self._refuse(count, f"batcher {self.name!r} would take about {expected_s:.3f}s to serve what is "
-                                    f"queued ahead, past the {timeout_s:.3f}s allowed")
-
-    def _refuse(self, count: int, reason: str) -> None:
-        self._metrics.item_rejected(self.name, "overload", count)
-        retry_after_s = min(60.0, max(0.05, len(self._lanes) / self._items_per_s()))  # until the queue ahead drained
-        raise Overloaded(retry_after_s, reason)
-
-    def _items_per_s(self) -> float:
-        """The recent drain rate: mean batch size x slots over mean batch latency (max_wait_ms before history)."""
-        config = self._config
-        batch_s = self._mean_latency or config.max_wait_ms / 1000.0 or 1e-3
-        return max(1.0, self._mean_batch * config.max_concurrent_batches) / batch_s
+        lanes = self._lanes
+        refusal = self._admission.refusal(
+            self.name, count, priority, timeout_s, queued=len(lanes), delayed=len(self._delayed),
+            ahead=lanes[HIGH].depth + (lanes[LOW].depth if priority is LOW else 0), rate=self._rate)
+        if refusal is not None:
+            self._metrics.item_rejected(self.name, "overload", count)
+            raise Overloaded(refusal.retry_after_s, refusal.reason)
 
     def _enqueue(
         self, payloads: Sequence[P], priority: Priority, timeout_s: float | None, awaited: bool = True
@@ -323,7 +306,7 @@ class AdaptiveBatcher(Generic[P, R]):
         if not live or (len(live) == 1 and self._refused_as_oversized(live[0])):
             return
         self._in_flight += 1
-        self._mean_batch += (len(live) - self._mean_batch) * _LATENCY_EWMA
+        self._rate.batch_sent(len(live))
         self._metrics.batch_flushed(self.name, reason, len(live), [now - item.enqueued_at for item in live])
         self._metrics.queue_depth(self.name, live[0].priority, self._lanes[live[0].priority].depth)
         task = self._loop.create_task(self._run_batch(live))
@@ -430,7 +413,7 @@ class AdaptiveBatcher(Generic[P, R]):
 
     def _record_latency(self, started: float) -> None:
         latency = self._loop.time() - started
-        self._mean_latency += (latency - self._mean_latency) * _LATENCY_EWMA
+        self._rate.batch_done(latency)
         self._metrics.batch_completed(self.name, latency)
 
     def _settle_failures(self, failures: list[tuple[Item, BaseException]]) -> list[tuple[Item, BaseException]]:

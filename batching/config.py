@@ -62,11 +62,6 @@ class BatcherConfig:
         if problems:
             raise ValueError("invalid BatcherConfig: " + "; ".join(problems))
 
-    @property
-    def low_admission_limit(self) -> int:
-        """LOW items are refused once the queue holds this many items (80% of the limit)."""
-        return max(1, int(self.max_queue_depth * 0.8))
-
     @classmethod
     def field_names(cls) -> frozenset[str]:
         return frozenset(f.name for f in fields(cls))

@@ -15,6 +15,10 @@ class Overloaded(BatcherError):
         self.retry_after_s = retry_after_s
 
 
+class NeverFits(BatcherError, ValueError):
+    """One call of more items than ``max_queue_depth``: refused however empty the queue, so no retry helps."""
+
+
 class DeadlineExceeded(BatcherError, TimeoutError):
     """The caller's ``timeout_s`` passed before its result was ready."""
 

@@ -1,7 +1,7 @@
 """When a batch may leave, and from which lane: every dispatch rule of DESIGN §2 in one place.
 
 The batcher (the mechanism) asks ``DispatchPolicy.choose`` whenever something changed; the answer names the lane to
-take a batch from and why, or the moment to ask again. Admission limits live here too.
+take a batch from and why, or the moment to ask again.
 
 - Each lane is judged on its own triggers (its depth, its oldest item, its cost, its pace), since a batch never
   mixes priorities: a lone HIGH item waits ``wait_s(1)``, not the window a deep LOW queue earns.
@@ -41,12 +41,6 @@ class DispatchPolicy:
         # Items LOW may still send ahead of ready HIGH work (or into the last slot); it grows by low_share/(1 -
         # low_share) for every HIGH item dispatched while LOW waits, and shrinks by what every LOW batch carries.
         self._low_credit = 0.0
-
-    # ---- admission ----------------------------------------------------------------------------------------------
-
-    def admission_limit(self, priority: Priority) -> int:
-        """Items that may be waiting (queued or delayed) once this priority's items are admitted."""
-        return self.config.max_queue_depth if priority is HIGH else self.config.low_admission_limit
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
 

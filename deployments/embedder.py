@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator, Awaitable, NamedTuple, Sequence
 
 import numpy as np
 
-from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, Overloaded,
-                      Priority)
+from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, NeverFits,
+                      Overloaded, Priority)
 
 from .autoscaling import QUEUE_DEPTH_METRIC
 from .backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
@@ -178,7 +178,7 @@ class EmbeddingModel:
                                   retry_after_s=exc.retry_after_s) from None
         except BatcherClosed:
             raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry") from None
-        except ValueError as exc:  # more items than the queue can ever hold
+        except NeverFits as exc:
             raise InvalidRequest(str(exc), param="input") from None
         self._raise_first_failure(outcomes)
         return np.stack(outcomes).astype(np.float32, copy=False), [item.tokens for item in prepared]

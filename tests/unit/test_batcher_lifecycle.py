@@ -10,6 +10,7 @@ from batching import (
     BatcherConfig,
     BatchResultMismatch,
     DeadlineExceeded,
+    NeverFits,
     Overloaded,
     Priority,
 )
@@ -204,6 +205,15 @@ async def test_submit_many_admission_is_all_or_nothing():
     assert batcher.stats().queue_depth == 3
     await queued
     assert process.sent == [1, 2, 3]
+
+
+async def test_a_call_larger_than_the_queue_never_fits_even_when_it_is_empty():
+    process = FakeProcess()
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_queue_depth=5, max_wait_ms=0))
+    with pytest.raises(NeverFits, match="6 items can never fit a queue of max_queue_depth=5"):
+        await batcher.submit_many(list(range(6)))
+    assert batcher.stats().rejected == 0 and process.sent == []  # not an overload: no retry would help
+    assert await batcher.submit_many(list(range(5))) == [("ok", i) for i in range(5)]
 
 
 async def test_deadline_raises_when_it_passes_and_the_item_is_never_sent():

@@ -1,6 +1,7 @@
 import pytest
 
 from batching import BatcherConfig, DepthScaledWait, FixedWait, Priority
+from batching.admission import low_admission_limit
 
 
 @pytest.mark.parametrize(
@@ -47,7 +48,7 @@ def test_config_defaults_match_the_contract():
     assert (config.max_batch_size, config.max_wait_ms, config.scale_factor) == (100, 25.0, 10.0)
     assert (config.max_concurrent_batches, config.max_queue_depth, config.max_retries) == (4, 10_000, 1)
     assert config.max_batch_cost is None and config.batch_timeout_s is None and config.dedupe
-    assert config.low_admission_limit == 8_000
+    assert low_admission_limit(config.max_queue_depth) == 8_000
 
 
 def test_priority_parses_header_values():
