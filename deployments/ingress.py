@@ -9,7 +9,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +27,7 @@ from .errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNot
                      PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
 from .forwarding import ModelForwarder
 from .metrics import ResendCounter, ResentRequests
+from .model_health import ModelHealth
 from .openai_errors import error_response, status_response
 
 logger = logging.getLogger("ray.serve")
@@ -43,11 +44,13 @@ DEADLINE_MARGIN_S = 0.25
 
 
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
+               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> FastAPI:
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
-    none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss."""
-    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes, on_resend)
+    none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
+    ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can)."""
+    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes, on_resend, unavailable)
     app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -65,8 +68,10 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         api_keys = ApiKeys.from_env()
+        health = ModelHealth(serve.get_replica_context().app_name,
+                             {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
-                               on_resend=ResentRequests())
+                               on_resend=ResentRequests(), unavailable=health)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -78,12 +83,14 @@ class _Routes:
     """The route handlers, bound to the models and limits of one API."""
 
     def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
-                 on_resend: ResendCounter | None) -> None:
+                 on_resend: ResendCounter | None,
+                 unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> None:
         self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
                         for name, handle in models.items()}
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
+        self._unavailable = unavailable
 
     async def create_embeddings(self, request: Request) -> Response:
         headers = request.headers
@@ -110,8 +117,14 @@ class _Routes:
             raise self._unknown_model(model_id)
         return self._card(model_id)
 
-    async def healthz(self) -> dict[str, Any]:
-        return {"status": "ok", "models": sorted(self._models)}
+    async def healthz(self) -> Any:
+        """``{"status": "ok", "models": [...]}``; while a model cannot serve, a 503 with ``"status": "degraded"`` and
+        ``"unavailable": {model: reason}`` beside the same ``models``."""
+        health = {"status": "ok", "models": sorted(self._models)}
+        down = dict(await self._unavailable()) if self._unavailable is not None else {}
+        if not down:
+            return health
+        return JSONResponse({**health, "status": "degraded", "unavailable": down}, status_code=503)
 
     # ---- internals ----------------------------------------------------------------------------------------
 

@@ -37,6 +37,18 @@ from .wordpieces import BoundedTokenizer
 T = TypeVar("T")
 
 
+def read_model(model_path: str | None = None, default_prompt_name: str | None = None,
+               matryoshka_dims: Sequence[int] = ()) -> tuple[ModelDir, Prompts]:
+    """The model directory a local model entry names (default: the packaged one) and its prompts, read from its JSON
+    files only (cheap: ``build_app`` checks every entry with it); ``ValueError`` naming what the backend refuses."""
+    model = ModelDir.read(model_path or packaged_model_path())
+    prompts = Prompts(model.prompts, default_prompt_name or model.default_prompt_name)
+    too_long = [size for size in matryoshka_dims if size > model.dimension]
+    if too_long:
+        raise ValueError(f"matryoshka_dims {too_long} exceed the model's {model.dimension} dimensions")
+    return model, prompts
+
+
 class LocalBackend(EmbeddingBackend):
     def __init__(
         self,
@@ -57,11 +69,7 @@ class LocalBackend(EmbeddingBackend):
         ``matryoshka_dims``: the shorter sizes the model was trained to keep its meaning in."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the model is on disk
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        self.model = ModelDir.read(model_path or packaged_model_path())
-        self._prompts = Prompts(self.model.prompts, default_prompt_name or self.model.default_prompt_name)
-        too_long = [size for size in matryoshka_dims if size > self.model.dimension]
-        if too_long:
-            raise ValueError(f"matryoshka_dims {too_long} exceed the model's {self.model.dimension} dimensions")
+        self.model, self._prompts = read_model(model_path, default_prompt_name, matryoshka_dims)
         self.matryoshka_dims = frozenset(matryoshka_dims)
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
                                            lowercase=self.model.do_lower_case)
