@@ -92,8 +92,20 @@ def refuse(error: Exception) -> None:
     if driver is None:
         return
     time.sleep(STOP_GRACE_S)
-    os.kill(driver, signal.SIGINT)  # its handler says "Got KeyboardInterrupt, shutting down..." and shuts Serve down
+    # SIGINT's handler says "Got KeyboardInterrupt, shutting down..." and shuts Serve down; a `serve run` started as
+    # a shell script's background job ignores SIGINT, and SIGTERM ends it (Ray's processes share its fate)
+    os.kill(driver, signal.SIGTERM if ignores(driver, signal.SIGINT) else signal.SIGINT)
     time.sleep(HOLD_S)
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Process ``pid`` ignores signal ``signum`` (its ``SigIgn`` mask in ``/proc``); False when that cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
 def is_serve_run(argv: list[str]) -> bool:

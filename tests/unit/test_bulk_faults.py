@@ -99,6 +99,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         server.kill()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sigint_delivered() -> Iterator[None]:
+    """SIGINT handled in this process while its tests run, so the runs they start (exec'd or forked) inherit it: a
+    suite started as a shell script's background job inherits SIGINT ignored, which embed-bulk rightly keeps."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def fork_server() -> None:
     FORK_SERVER.set_forkserver_preload(["embed_bulk", __name__])

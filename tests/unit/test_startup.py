@@ -4,7 +4,9 @@ and a config refused before anything is deployed (each model's directory include
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +16,7 @@ from deployments import startup
 from deployments.app import build_app
 from deployments.backends.model_dir import packaged_model_path
 from deployments.config import ConfigError
-from deployments.startup import (SERVE_ENV_FILE, UNSET_COSTS, is_serve_run, refuse, serve_env_settings,
+from deployments.startup import (SERVE_ENV_FILE, UNSET_COSTS, ignores, is_serve_run, refuse, serve_env_settings,
                                  serve_env_warning, serves_something)
 
 SHIPPED = serve_env_settings()
@@ -82,6 +84,18 @@ def test_build_app_prints_the_warning_to_stderr(capsys, monkeypatch) -> None:
 ])
 def test_only_the_serve_run_command_is_recognised(argv, expected) -> None:
     assert is_serve_run(argv) is expected
+
+
+def test_a_process_ignoring_sigint_is_told_so_as_a_background_job_started_by_a_script_is() -> None:
+    """Such a `serve run` is stopped with SIGTERM instead, which it does not ignore."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert ignores(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert previous is signal.SIG_IGN or not ignores(os.getpid(), signal.SIGINT)
+    assert not ignores(os.getpid(), signal.SIGTERM)
+    assert not ignores(2**22 + 7, signal.SIGINT)  # no such process
 
 
 def _status(*replica_states: dict) -> SimpleNamespace:
