@@ -13,11 +13,11 @@ from typing import Any, Mapping
 from ray import serve
 from ray.serve import Application
 
-from .config import AppConfig, ConfigError, ModelConfig, parse_app_config
-from .embedder import EmbeddingModel
-from .ingress import EmbeddingsIngress
-from .sizing import ingress_deployment_options, model_deployment_options
-from .startup import refuse, warn_about_serve_env
+from deployments.config import AppConfig, ConfigError, ModelConfig, parse_app_config
+from deployments.ingress.api import EmbeddingsIngress
+from deployments.model.embedder import EmbeddingModel
+from deployments.sizing import ingress_deployment_options, model_deployment_options
+from deployments.startup import refuse, warn_about_serve_env
 
 
 def build_app(args: Mapping[str, Any] | AppConfig) -> Application:
@@ -41,7 +41,7 @@ def check_model_sources(config: AppConfig) -> None:
     for index, model in enumerate(config.models):
         if model.backend != "local":
             continue
-        from .backends.local import read_model
+        from deployments.model.backends.local import read_model
 
         try:
             read_model(model.model_path, model.default_prompt_name, model.matryoshka_dims or ())

@@ -33,7 +33,7 @@ from batching import BatcherConfig
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "openai")
-ENGINES = ("onnx", "torch")  # how the local backend runs its model (deployments/backends/engines.py)
+ENGINES = ("onnx", "torch")  # how the local backend runs its model (deployments/model/backends/engines.py)
 DEVICES = ("cpu", "cuda")  # where it runs; cuda: the torch engine only
 PRECISIONS = ("fp32", "fp16", "bf16")  # its weights' and activations' type; below fp32 on cuda only
 MAX_INPUTS = 2048  # the most items one request may carry (OpenAI's limit)
@@ -93,7 +93,7 @@ class _Section(BaseModel):
 
 
 class CacheConfig(_Section):
-    """A model entry's embedding cache (``deployments/cache/``): where vectors are kept, and for how long."""
+    """A model entry's embedding cache (``deployments/model/cache/``): where vectors are kept, and for how long."""
 
     store: Annotated[str, _one_of(CACHE_STORES)]  # disk: this node's replicas share a directory | redis: every node
     timeout_ms: Seconds = 50.0  # each store call; a slower one is a miss
@@ -120,7 +120,7 @@ class CacheConfig(_Section):
 
 
 class QuotaLimits(_Section):
-    """An ``openai`` model entry's provider quota (``deployments/quota/``): one budget shared by every replica."""
+    """An ``openai`` model entry's provider quota (``deployments/model/quota/``): one budget shared by every replica."""
 
     rpm: Count = None  # requests per minute the account allows
     tpm: Count = None  # tokens per minute the account allows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .config import AppConfig, IngressConfig, ModelConfig
+from deployments.config import AppConfig, IngressConfig, ModelConfig
 
 logger = logging.getLogger("ray.serve")
 

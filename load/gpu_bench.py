@@ -5,7 +5,7 @@ precision's cosine to sentence-transformers' fp32 vectors, over probe texts.
     python -m load.gpu_bench [--device cuda] [--results-dir DIR] [--model-dir DIR] [--batch-sizes 1,2,4] ...
 
 It imports neither Ray nor the service (``deployments.app``, pydantic), only the engine's pieces
-(``deployments.backends``: the model directory, the word-piece tokenizer, the torch engine, the length bucketing),
+(``deployments.model.backends``: the model directory, the word-piece tokenizer, the torch engine, the length bucketing),
 so it runs on a GPU machine that has torch, transformers, tokenizers, sentence-transformers and numpy and nothing
 else of the project's. ``--device cpu`` runs it on the CPU (the unit test does, at a tiny size).
 
@@ -125,9 +125,9 @@ class Sides:
     """Ours and sentence-transformers', one precision, on one device; each turns a list of texts into vectors."""
 
     def __init__(self, model_dir: Path, precision: str, settings: Settings) -> None:
-        from deployments.backends.engines import default_threads, make_engine, max_call_tokens
-        from deployments.backends.model_dir import ModelDir
-        from deployments.backends.wordpieces import BoundedTokenizer
+        from deployments.model.backends.engines import default_threads, make_engine, max_call_tokens
+        from deployments.model.backends.model_dir import ModelDir
+        from deployments.model.backends.wordpieces import BoundedTokenizer
 
         self.model = ModelDir.read(model_dir)
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
@@ -138,7 +138,7 @@ class Sides:
         self.reference = sentence_transformer(model_dir, settings.device, precision)
 
     def ours_from_ids(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-        from deployments.backends.engines import embed_sequences
+        from deployments.model.backends.engines import embed_sequences
 
         return embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
                                self.max_call_tokens)
@@ -155,7 +155,7 @@ def sentence_transformer(model_dir: Path, device: str, precision: str = "fp32") 
     fp16 (a ``--pack-fp16`` copy) as fp16."""
     from sentence_transformers import SentenceTransformer
 
-    from deployments.backends.torch_engine import DTYPES
+    from deployments.model.backends.torch_engine import DTYPES
 
     return SentenceTransformer(str(model_dir), device=device, local_files_only=True).to(DTYPES[precision])
 
@@ -271,7 +271,7 @@ def _yes(met: bool) -> str:
 
 
 def run(model_dir: Path, settings: Settings, out: Path) -> dict[str, Any]:
-    from deployments.backends.engines import max_call_tokens
+    from deployments.model.backends.engines import max_call_tokens
 
     results = measure(model_dir, settings)
     data = {"settings": asdict(settings), "model_dir": str(model_dir), "weights_dtype": weights_dtype(model_dir),
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pack-fp16", type=Path, metavar="DIR", help="write the model with fp16 weights there; exit")
     args = parser.parse_args(argv)
     if args.model_dir is None:
-        from deployments.backends.model_dir import packaged_model_path
+        from deployments.model.backends.model_dir import packaged_model_path
 
         args.model_dir = Path(packaged_model_path())
     if args.pack_fp16 is not None:

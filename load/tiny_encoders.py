@@ -92,7 +92,7 @@ def _transformer(architecture: str, target: Path) -> None:
     if architecture == "bert":
         from transformers import AutoTokenizer, BertConfig, BertModel
 
-        from deployments.backends.model_dir import packaged_model_path
+        from deployments.model.backends.model_dir import packaged_model_path
 
         tokenizer = AutoTokenizer.from_pretrained(packaged_model_path(), local_files_only=True)
         model = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, **shape))

@@ -30,8 +30,8 @@ import numpy as np
 from ray import serve
 
 from deployments.app import bind_ingress, build_app
-from deployments.backends import make_backend
 from deployments.config import ModelConfig, parse_app_config
+from deployments.model.backends import make_backend
 from deployments.sizing import model_deployment_options
 from load.loadgen import check, closed_loop
 from load.peers.launch import DEFAULT_PEERS_DIR, Server, running

@@ -87,8 +87,8 @@ def measure(proxy: str, settings: Settings, results_dir: Any = None) -> dict[str
 
 def model_alone(model: dict[str, Any], texts: Sequence[str], batch_sizes: Sequence[int], count: int) -> dict[str, float]:
     """Batch size -> median milliseconds per text of the model's engine alone, on one thread, over ``texts``."""
-    from deployments.backends import make_backend
-    from deployments.backends.engines import embed_sequences
+    from deployments.model.backends import make_backend
+    from deployments.model.backends.engines import embed_sequences
     from deployments.config import ModelConfig
 
     backend = make_backend(ModelConfig(**{**one_replica(model), "threads": 1}))

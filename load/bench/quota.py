@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from deployments import tokens
+from deployments.model import tokens
 from load.multinode import local_cluster, wait_for_proxies
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient

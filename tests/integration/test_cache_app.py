@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from deployments import tokens
+from deployments.model import tokens
 from load.bench.serving import deployed
 from load.hashvec import matches
 from load.redis_process import RedisServer

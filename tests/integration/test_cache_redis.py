@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics
-from deployments.cache.redis_store import RedisStore
 from deployments.config import CacheConfig, ModelConfig
-from deployments.embedder import EmbeddingModel
+from deployments.model.cache.redis_store import RedisStore
+from deployments.model.embedder import EmbeddingModel
 from load.redis_process import RedisServer
 from tests.unit.cache_fakes import RecordingMetrics
 from tests.unit.test_deployments_embedder import DIM, FakeBackend, vector

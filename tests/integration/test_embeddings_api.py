@@ -10,7 +10,7 @@ import openai
 import pytest
 from ray import serve
 
-from deployments import tokens
+from deployments.model import tokens
 
 from .helpers import API_KEYS, APP_NAME, MODEL, Service
 

@@ -11,9 +11,9 @@ import ray
 
 from batching import Priority
 from deployments.errors import UpstreamRateLimited
-from deployments.quota.budget import Limits
-from deployments.quota.limiter import connect
-from deployments.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
+from deployments.model.quota.budget import Limits
+from deployments.model.quota.limiter import connect
+from deployments.model.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
 
 LIMITS = Limits(rpm=None, tpm=60_000, headroom=1.0)
 

@@ -103,7 +103,7 @@ def degraded_app(serve_instance: Service):
     """The ingress in front of a model that serves and one whose constructor always fails."""
     from ray import serve
 
-    from deployments.ingress import EmbeddingsIngress
+    from deployments.ingress.api import EmbeddingsIngress
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Fine:

@@ -16,11 +16,11 @@ from typing import Any, Coroutine, Mapping
 import httpx
 
 from batching import BatcherMetrics
-from deployments.auth import ApiKeys
-from deployments.backends import make_backend
 from deployments.config import DEFAULT_MAX_BODY_BYTES, parse_app_config
-from deployments.embedder import EmbeddingModel
-from deployments.ingress import create_api
+from deployments.ingress.api import create_api
+from deployments.ingress.auth import ApiKeys
+from deployments.model.backends import make_backend
+from deployments.model.embedder import EmbeddingModel
 from load.upstream import UpstreamConfig, create_app
 
 UPSTREAM_URL = "http://upstream.invalid/v1"  # never resolved: the ASGI transport answers it

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deployments import tokens
 from deployments.config import DEFAULT_MAX_BODY_BYTES, MAX_INPUTS
+from deployments.model import tokens
 from load.hashvec import matches
 from load.upstream import UpstreamConfig
 
@@ -220,7 +220,7 @@ def test_the_limits_hold_through_the_serve_proxy(faults: Target) -> None:
 
 @pytest.fixture(scope="module")
 def local_backend():
-    from deployments.backends.local import LocalBackend
+    from deployments.model.backends.local import LocalBackend
 
     backend = LocalBackend()
     yield backend
@@ -234,7 +234,7 @@ def test_the_local_model_truncates_long_inputs_at_256_word_pieces(local_backend)
 
     from transformers import AutoTokenizer
 
-    from deployments.backends.model_dir import packaged_model_path
+    from deployments.model.backends.model_dir import packaged_model_path
 
     reference = AutoTokenizer.from_pretrained(packaged_model_path(), local_files_only=True)
     long_text = " ".join(f"token{i % 50} lighthouse" for i in range(300))
@@ -254,7 +254,7 @@ def test_the_local_model_truncates_long_inputs_at_256_word_pieces(local_backend)
 def test_the_local_model_refuses_ids_that_are_not_tokens(local_backend, ids: list[int]) -> None:
     import asyncio
 
-    from deployments.backends import ItemRejected
+    from deployments.model.backends import ItemRejected
 
     (outcome,) = asyncio.run(local_backend.prepare_many([ids]))
     assert isinstance(outcome, ItemRejected)

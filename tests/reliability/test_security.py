@@ -13,11 +13,11 @@ import httpx
 import pytest
 import yaml
 
-from deployments import auth
-from deployments.auth import ApiKeys
-from deployments.backends.openai_api import OpenAIBackend
 from deployments.config import parse_app_config
 from deployments.errors import AuthenticationFailed
+from deployments.ingress import auth
+from deployments.ingress.auth import ApiKeys
+from deployments.model.backends.openai_api import OpenAIBackend
 from deployments.secrets import SecretFileError, read_secret
 from load.upstream import parse_args as upstream_args
 

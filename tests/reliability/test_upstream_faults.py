@@ -62,7 +62,7 @@ def test_calls_slower_than_the_batch_timeout_are_retried_not_waited_for(faults: 
 
 
 def test_a_429_storm_is_paced_to_the_limit_the_provider_reports(faults: Target, scale: Scale) -> None:
-    """The upstream is limited at run time: the service follows its x-ratelimit-* headers (deployments/quota/), so
+    """The upstream is limited at run time: the service follows its x-ratelimit-* headers (deployments/model/quota/), so
     the provider refuses no call, and each caller gets its vectors or a 429 saying when to retry."""
     result = upstream_fault(faults, scale, "429-storm")
     assert_every_request_accounted_for(result)

@@ -10,9 +10,9 @@ from typing import Awaitable, Hashable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from batching import DeadlineExceeded, Priority
-from deployments.backends import Prepared
-from deployments.cache import CacheMetrics, EmbeddingCache
-from deployments.cache.store import GuardedStore
+from deployments.model.backends import Prepared
+from deployments.model.cache import CacheMetrics, EmbeddingCache
+from deployments.model.cache.store import GuardedStore
 
 T = TypeVar("T")
 DIM = 8

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.cache import metrics as names
+from deployments.model.cache import metrics as names
 
 from .test_deployments_alerts import ALERTS, rules
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from batching import BatcherConfig, BatcherMetrics
 from deployments.config import CacheConfig, ModelConfig
-from deployments.embedder import EmbeddingModel
+from deployments.model.embedder import EmbeddingModel
 
 from .cache_fakes import RecordingMetrics
 from .test_deployments_embedder import DIM, FakeBackend, vector

@@ -13,10 +13,10 @@ from pathlib import Path
 import diskcache
 import pytest
 
-from deployments.cache.build import vector_identity
-from deployments.cache.disk_store import DiskStore
-from deployments.cache.keys import CacheKeys
 from deployments.config import ConfigError, ModelConfig, parse_app_config
+from deployments.model.cache.build import vector_identity
+from deployments.model.cache.disk_store import DiskStore
+from deployments.model.cache.keys import CacheKeys
 
 ENTRY = 40 * 1024  # over diskcache's 32 KiB inline limit: each value is a file, counted to the byte
 

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics, DeadlineExceeded, Overloaded
-from deployments.backends import ItemRejected, Prepared, UpstreamError
-from deployments.backends.prompts import Prompts
 from deployments.config import ModelConfig
-from deployments.embedder import EmbeddingModel, EmbedRequest
 from deployments.errors import InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceUnavailable, UpstreamFailed
-from deployments.openai_errors import error_body, error_headers, http_error
+from deployments.ingress.openai_errors import error_body, error_headers, http_error
+from deployments.model.backends import ItemRejected, Prepared, UpstreamError
+from deployments.model.backends.prompts import Prompts
+from deployments.model.embedder import EmbeddingModel
+from deployments.wire import EmbedRequest
 
 DIM = 8
 

@@ -7,8 +7,8 @@ from typing import Callable
 
 import pytest
 
-from deployments.embedder import EmbedRequest
-from deployments.forwarding import ModelForwarder
+from deployments.ingress.forwarding import ModelForwarder
+from deployments.wire import EmbedRequest
 
 pytestmark = pytest.mark.looptime
 
@@ -131,7 +131,7 @@ async def test_after_its_resends_a_request_ends_in_service_unavailable():
     from ray.exceptions import ActorUnavailableError
 
     from deployments.errors import ServiceUnavailable
-    from deployments.forwarding import RESENDS
+    from deployments.ingress.forwarding import RESENDS
 
     handle = DyingHandle([ActorUnavailableError("gone", None)] * (RESENDS + 1), answered=[0] * (RESENDS + 1))
     forwarder = ModelForwarder(handle)

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batching import Priority
-from deployments import tokens
-from deployments.auth import ApiKeys
 from deployments.errors import AuthenticationFailed, InvalidRequest
-from deployments.openai_errors import error_body, http_error
-from deployments.schemas import embedding_response, normalize_input, parse_priority, parse_request, parse_timeout
+from deployments.ingress.auth import ApiKeys
+from deployments.ingress.openai_errors import error_body, http_error
+from deployments.ingress.schemas import embedding_response, normalize_input, parse_priority, parse_request, parse_timeout
+from deployments.model import tokens
 
 
 def request(**body) -> bytes:

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics
-from deployments import tokens
-from deployments.backends import ItemRejected, Prepared
-from deployments.backends.openai_api import INLINE_PREPARE_SIZE, OpenAIBackend, retry_after_s
 from deployments.config import ModelConfig
-from deployments.embedder import EmbeddingModel
 from deployments.errors import InvalidRequest, UpstreamFailed
-from deployments.openai_errors import http_error
+from deployments.ingress.openai_errors import http_error
+from deployments.model import tokens
+from deployments.model.backends import ItemRejected, Prepared
+from deployments.model.backends.openai_api import INLINE_PREPARE_SIZE, OpenAIBackend, retry_after_s
+from deployments.model.embedder import EmbeddingModel
 from load.hashvec import matches
 from load.upstream import UpstreamConfig, run_upstream
 
@@ -135,7 +135,7 @@ async def test_a_429_is_retried_after_the_upstreams_retry_after(make_model, upst
     budget = tokens.count(filler)
     upstream.set_faults(tpm=budget)  # one call of `budget` tokens empties the minute's budget
     await make_model(max_wait_ms=0.0).embed([filler])
-    # Another replica, which has not yet seen the provider's rate-limit headers (deployments/quota/ would pace it)
+    # Another replica, which has not yet seen the provider's rate-limit headers (deployments/model/quota/ would pace it)
     model = make_model(max_wait_ms=0.0, max_retries=3)
     vectors, _ = await model.embed(["and now a short one"])  # 429 first, then served after Retry-After
     assert matches("and now a short one", vectors[0], DIM)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from deployments.backends.model_dir import ModelDir, packaged_model_path
+from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from load import gpu_bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +32,8 @@ def test_the_benchmark_runs_on_the_cpu_and_writes_its_report(tmp_path: Path) -> 
 
 
 def test_it_imports_neither_ray_nor_the_service() -> None:
-    probe = ("import sys, load.gpu_bench, deployments.backends.engines, deployments.backends.torch_engine, "
-             "deployments.backends.wordpieces; "
+    probe = ("import sys, load.gpu_bench, deployments.model.backends.engines, deployments.model.backends.torch_engine, "
+             "deployments.model.backends.wordpieces; "
              "print(sorted(m for m in ('ray', 'pydantic', 'deployments.app', 'deployments.config', 'batching') "
              "if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -1,5 +1,6 @@
 """The layers hold: ``lint-imports`` checks the ``[tool.importlinter]`` contracts of ``pyproject.toml`` (batching
-imports no framework, the bulk client never imports ``deployments``, nothing but the tests imports ``load``), so a
+imports no framework, the bulk client never imports ``deployments``, nothing but the tests imports ``load``, the
+ingress side and the model side of ``deployments`` never import each other), so a
 broken layer fails the test suite and with it CI."""
 
 from __future__ import annotations

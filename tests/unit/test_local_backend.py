@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployments import tokens
-from deployments.backends import ItemRejected, Prepared
-from deployments.backends.engines import default_threads
-from deployments.backends.local import LocalBackend
-from deployments.backends.model_dir import ModelDir, packaged_model_path
-from deployments.backends.onnx_engine import cached_export
-from deployments.backends.wordpieces import BoundedTokenizer
 from deployments.config import ConfigError, parse_app_config
+from deployments.model import tokens
+from deployments.model.backends import ItemRejected, Prepared
+from deployments.model.backends.engines import default_threads
+from deployments.model.backends.local import LocalBackend
+from deployments.model.backends.model_dir import ModelDir, packaged_model_path
+from deployments.model.backends.onnx_engine import cached_export
+from deployments.model.backends.wordpieces import BoundedTokenizer
 from load.workload import pseudo_sentences
 
 MAX_SEQ_LENGTH = 256

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.backends import make_backend
-from deployments.backends.engines import (CHUNK_TOKENS, CUDA_CHUNK_TOKENS, embed_sequences, length_buckets,
-                                          make_engine, max_call_tokens)
-from deployments.backends.model_dir import ModelDir, packaged_model_path
-from deployments.backends.torch_engine import TorchEngine, load_embedder
-from deployments.backends.wordpieces import BoundedTokenizer
-from deployments.cache.build import vector_identity
 from deployments.config import ConfigError, parse_app_config
+from deployments.model.backends import make_backend
+from deployments.model.backends.engines import (CHUNK_TOKENS, CUDA_CHUNK_TOKENS, embed_sequences, length_buckets,
+                                          make_engine, max_call_tokens)
+from deployments.model.backends.model_dir import ModelDir, packaged_model_path
+from deployments.model.backends.torch_engine import TorchEngine, load_embedder
+from deployments.model.backends.wordpieces import BoundedTokenizer
+from deployments.model.cache.build import vector_identity
 from deployments.sizing import model_deployment_options
 
 OPENAI = {"backend": "openai", "base_url": "http://127.0.0.1:9/v1"}

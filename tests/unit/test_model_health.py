@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import httpx
 
-from deployments.ingress import create_api
-from deployments.model_health import ModelHealth, reason, unavailable_models
+from deployments.ingress.api import create_api
+from deployments.ingress.model_health import ModelHealth, reason, unavailable_models
 
 # Serve's message for a deployment whose replicas fail in their constructor (deployment_state.py), abridged
 FAILED = ("The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
           "initial health check failing. See controller logs for details. Error:\nTraceback (most recent call last):\n"
-          '  File "/srv/deployments/backends/model_dir.py", line 142, in _pooling_modes\n'
+          '  File "/srv/deployments/model/backends/model_dir.py", line 142, in _pooling_modes\n'
           "    raise ValueError(...)\n"
           "ValueError: /models/x/1_Pooling: Pooling pooling_mode bogus is not served\n")
 

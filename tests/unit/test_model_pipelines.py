@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from batching import BatcherConfig, BatcherMetrics
-from deployments.backends.local import LocalBackend
-from deployments.backends.model_dir import ModelDir
-from deployments.backends.prompts import Prompts, UnknownPrompt
-from deployments.cache.keys import CacheKeys
 from deployments.config import ConfigError, ModelConfig, parse_app_config
-from deployments.embedder import EmbeddingModel
-from deployments.ingress import create_api
+from deployments.ingress.api import create_api
+from deployments.model.backends.local import LocalBackend
+from deployments.model.backends.model_dir import ModelDir
+from deployments.model.backends.prompts import Prompts, UnknownPrompt
+from deployments.model.cache.keys import CacheKeys
+from deployments.model.embedder import EmbeddingModel
 from load.tiny_encoders import PROBES as TINY_PROBES
 from load.tiny_encoders import TINY_ENCODERS, make_all, tokens_embedded
 from tests.reliability.inprocess import InProcessHandle

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from deployments.quota import metrics as names
+from deployments.model.quota import metrics as names
 from tests.unit.test_deployments_alerts import rules
 
 

@@ -1,12 +1,12 @@
-"""The shared quota's arithmetic (deployments/quota/budget.py), on a made-up clock: every call is told the time."""
+"""The shared quota's arithmetic (deployments/model/quota/budget.py), on a made-up clock: every call is told the time."""
 
 from __future__ import annotations
 
 import pytest
 
 from batching import Priority
-from deployments.quota.budget import Account, Limits, QuotaBudget
-from deployments.quota.headers import duration_s, provider_accounts
+from deployments.model.quota.budget import Account, Limits, QuotaBudget
+from deployments.model.quota.headers import duration_s, provider_accounts
 
 HIGH, LOW = Priority.HIGH, Priority.LOW
 

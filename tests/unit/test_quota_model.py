@@ -8,9 +8,9 @@ import pytest
 
 from batching import BatcherConfig, BatcherMetrics
 from deployments.config import ModelConfig, QuotaLimits
-from deployments.embedder import EmbeddingModel
 from deployments.errors import UpstreamRateLimited
-from deployments.quota.budget import LEASE_SHARE
+from deployments.model.embedder import EmbeddingModel
+from deployments.model.quota.budget import LEASE_SHARE
 from load.upstream import UpstreamConfig, run_upstream
 
 

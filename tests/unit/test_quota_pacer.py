@@ -1,4 +1,4 @@
-"""A replica's side of the quota (deployments/quota/pacer.py), on looptime's clock: claims, leases, refusals with a
+"""A replica's side of the quota (deployments/model/quota/pacer.py), on looptime's clock: claims, leases, refusals with a
 computed Retry-After, the provider's reports, and pacing alone while the shared budget is unreachable."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import logging
 import pytest
 
 from batching import Priority, is_retryable
-from deployments.backends import UpstreamError
 from deployments.errors import UpstreamRateLimited
-from deployments.quota.budget import Limits, QuotaBudget
-from deployments.quota.limiter import Answer, Report, answer, apply_reports
-from deployments.quota.metrics import QuotaMetrics
-from deployments.quota.pacer import PacedInput, QuotaPacer
+from deployments.model.backends import UpstreamError
+from deployments.model.quota.budget import Limits, QuotaBudget
+from deployments.model.quota.limiter import Answer, Report, answer, apply_reports
+from deployments.model.quota.metrics import QuotaMetrics
+from deployments.model.quota.pacer import PacedInput, QuotaPacer
 
 pytestmark = pytest.mark.looptime
 

@@ -14,8 +14,8 @@ import pytest
 
 from deployments import startup
 from deployments.app import build_app
-from deployments.backends.model_dir import packaged_model_path
 from deployments.config import ConfigError
+from deployments.model.backends.model_dir import packaged_model_path
 from deployments.startup import (SERVE_ENV_FILE, UNSET_COSTS, ignores, is_serve_run, refuse, serve_env_settings,
                                  serve_env_warning, serves_something)
 

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP API, in front of one ``EmbeddingModel`` deployment per model: ``create_api`` builds it
+for a mapping of model names to handles, and ``EmbeddingsIngress`` is the Serve deployment that serves it.
+
+Routes: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /healthz``. Every error,
+including malformed bodies and unknown routes, is answered in OpenAI's shape ``{"error": {...}}``.
+"""
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any, Awaitable, Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.config import DEFAULT_MAX_BODY_BYTES
+from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
+                     PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
+from deployments.ingress import schemas
+from deployments.ingress.auth import ApiKeys
+from deployments.ingress.forwarding import ModelForwarder
+from deployments.ingress.metrics import ResendCounter, ResentRequests
+from deployments.ingress.model_health import ModelHealth
+from deployments.ingress.openai_errors import error_response, status_response
+from deployments.wire import EmbedRequest
+
+logger = logging.getLogger("ray.serve")
+
+OWNED_BY = "adaptive-embeddings"
+# A client that sends its body slower than this gets a 408 (HAProxy, in front, drops connections idle for longer).
+BODY_READ_TIMEOUT_S = 30.0
+# A request's time is counted from when its handler starts, but its answer reaches the client only after the moments
+# this process cannot see: HAProxy and uvicorn before the handler, the response on its way back. Under a flood those
+# grow with the queues in front of the handler, so the service gives up this much before the deadline (as Envoy's
+# grpc_timeout_header_offset does), at most a tenth of the timeout: a 504 sent at the deadline would reach the
+# client after it.
+DEADLINE_MARGIN_S = 0.25
+
+
+def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
+               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> FastAPI:
+    """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
+    with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
+    none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
+    ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can)."""
+    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes, on_resend, unavailable)
+    app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_api_route("/v1/embeddings", routes.create_embeddings, methods=["POST"])
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
+    app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
+    return app
+
+
+@serve.deployment
+@serve.ingress()  # no app yet: Serve asks each replica for it, after __init__, through __serve_build_asgi_app__
+class EmbeddingsIngress:
+    def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        api_keys = ApiKeys.from_env()
+        health = ModelHealth(serve.get_replica_context().app_name,
+                             {name: handle.deployment_name for name, handle in models.items()})
+        self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
+                               on_resend=ResentRequests(), unavailable=health)
+        logger.info("embeddings ingress serving %s; API keys %s",
+                    sorted(models), "required" if api_keys.required else "not required")
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._api
+
+
+class _Routes:
+    """The route handlers, bound to the models and limits of one API."""
+
+    def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
+                 on_resend: ResendCounter | None,
+                 unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> None:
+        self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
+                        for name, handle in models.items()}
+        self._api_keys = api_keys
+        self._max_body_bytes = max_body_bytes
+        self._created = int(time.time())
+        self._unavailable = unavailable
+
+    async def create_embeddings(self, request: Request) -> Response:
+        headers = request.headers
+        deadline = _answer_by(schemas.parse_timeout(headers.get("x-request-timeout")))  # reading the body counts
+        self._api_keys.check(headers.get("authorization"))
+        priority = schemas.parse_priority(headers.get("x-priority"))
+        body = schemas.parse_request(await self._read_body(request, deadline))
+        forwarder = self._models.get(body.model)
+        if forwarder is None:
+            raise self._unknown_model(body.model, param="model")
+        embed = EmbedRequest(body.input, priority, _remaining(deadline), body.dimensions, body.prompt_name,
+                             body.input_type)
+        vectors, token_counts = await self._embed(forwarder, embed, deadline)
+        content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
+        return Response(content=content, media_type="application/json")
+
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        self._api_keys.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [self._card(name) for name in self._models]}
+
+    async def get_model(self, model_id: str, request: Request) -> dict[str, Any]:
+        self._api_keys.check(request.headers.get("authorization"))
+        if model_id not in self._models:
+            raise self._unknown_model(model_id)
+        return self._card(model_id)
+
+    async def healthz(self) -> Any:
+        """``{"status": "ok", "models": [...]}``; while a model cannot serve, a 503 with ``"status": "degraded"`` and
+        ``"unavailable": {model: reason}`` beside the same ``models``."""
+        health = {"status": "ok", "models": sorted(self._models)}
+        down = dict(await self._unavailable()) if self._unavailable is not None else {}
+        if not down:
+            return health
+        return JSONResponse({**health, "status": "degraded", "unavailable": down}, status_code=503)
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request, deadline: float | None) -> bytes:
+        """The body, refused with a 413 as soon as it is known to exceed ``max_body_bytes`` (from Content-Length
+        before reading, or while reading a body sent without one); a 408 if it does not arrive in time, a 504 if the
+        request's own deadline passes first."""
+        limit = self._max_body_bytes
+        too_large = PayloadTooLarge(f"the request body exceeds the {limit}-byte limit; send fewer or shorter inputs")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        read_by = time.monotonic() + BODY_READ_TIMEOUT_S
+        try:
+            async with asyncio.timeout_at(_loop_time(min(read_by, deadline or read_by))):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            if deadline is not None and deadline <= read_by:
+                raise RequestTimedOut("the deadline passed while the request was read") from None
+            raise BodyReadTimeout(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s") from None
+        return b"".join(chunks)
+
+    async def _embed(self, forwarder: ModelForwarder, request: EmbedRequest, deadline: float | None) -> Any:
+        """The model's answer, or a 504 at the deadline (the model drops what it had not sent by then too)."""
+        outcome = forwarder.forward(request)
+        try:
+            async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+                return await outcome
+        except TimeoutError:
+            if not outcome.done() or outcome.cancelled():  # our timeout, not the model's answer
+                raise RequestTimedOut("no result within the time the request allowed") from None
+            if outcome.exception() is None:  # the answer came in the same turn as the deadline
+                return outcome.result()
+            raise self._service_error(outcome.exception()) from None
+        except Exception as exc:
+            raise self._service_error(exc) from None
+
+    @staticmethod
+    def _service_error(exc: BaseException) -> ServiceError:
+        cause = unwrap(exc)
+        if isinstance(cause, ServiceError):
+            return cause
+        if isinstance(cause, BackPressureError):
+            return ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=1.0)
+        logger.error("embedding call failed", exc_info=exc)
+        return ServiceUnavailable("the model is unavailable; retry later")
+
+    def _card(self, name: str) -> dict[str, Any]:
+        return schemas.model_card(name, self._created, OWNED_BY)
+
+    def _unknown_model(self, name: str, param: str | None = None) -> ModelNotFound:
+        known = ", ".join(sorted(self._models))
+        return ModelNotFound(f"the model {schemas.shortened(name)!r} does not exist; available: {known}", param=param)
+
+
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    param = ".".join(location) or None
+    return error_response(InvalidRequest(f"'{param}': {message}" if param else message, param=param))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
+    return status_response(exc.status_code, str(exc.detail))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ServiceError("the server failed to process the request"))
+
+
+def _answer_by(timeout_s: float | None) -> float | None:
+    """The ``time.monotonic()`` moment by which a request with this timeout must have its answer sent."""
+    if timeout_s is None:
+        return None
+    return time.monotonic() + timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _loop_time(monotonic_at: float) -> float:
+    """A ``time.monotonic()`` moment on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())

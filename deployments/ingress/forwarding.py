@@ -1,0 +1,112 @@
+"""How the ingress reaches a model deployment: the requests for it that arrive in the same event-loop turn travel
+together, in one streaming handle call to ``EmbeddingModel.embed_many``, which sends each answer back when it is done.
+
+A handle call costs both replicas about a millisecond of CPU whatever it carries, and on a small machine that, not
+the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
+leaves at the end of the turn it arrived in. Inside the model every request keeps its own priority, deadline and
+outcome, and since each answer streams back on its own, no request waits for another of its call.
+
+Embedding is a pure function, so a request whose replica was lost before it answered (the actor died, its node
+went, it was stopped) is sent again, to whichever replica Serve picks next, with what is left of its deadline:
+at most ``RESENDS`` times, and only the requests of the call that had no answer yet, so none is computed (or billed
+upstream) twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from deployments.errors import ServiceUnavailable
+from deployments.ingress.replica_loss import loss_cause
+from deployments.wire import EmbedRequest
+
+RESENDS = 2  # times a request follows its replica's loss to another one
+
+_Waiter = tuple[EmbedRequest, asyncio.Future]
+OnResend = Callable[[str, int], None]  # (the cause of the loss, how many requests were sent again)
+
+
+class ModelForwarder:
+    def __init__(self, handle: Any, on_resend: OnResend | None = None) -> None:
+        self._handle = handle.options(method_name="embed_many", stream=True)
+        self._on_resend = on_resend
+        self._pending: list[_Waiter] = []
+        self._deliveries: set[asyncio.Task] = set()
+
+    def forward(self, request: EmbedRequest) -> asyncio.Future:
+        """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with.
+        Cancelling it gives up on the request (and on the call, once every request of the call gave up)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((request, future))
+        return future
+
+    def _flush(self) -> None:
+        group, self._pending = self._pending, []
+        live = [(request, future) for request, future in group if not future.done()]
+        if live:
+            self._send(live, RESENDS)
+
+    def _send(self, group: list[_Waiter], resends_left: int) -> None:
+        response = self._handle.remote([request for request, _ in group])
+        delivery = asyncio.ensure_future(self._deliver(response, group, resends_left))
+        self._deliveries.add(delivery)
+        delivery.add_done_callback(self._deliveries.discard)
+        remaining = [len(group)]
+
+        def given_up(future: asyncio.Future) -> None:
+            if future.cancelled():
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    response.cancel()
+
+        for _, future in group:
+            future.add_done_callback(given_up)
+
+    async def _deliver(self, response: Any, group: list[_Waiter], resends_left: int) -> None:
+        sent_at = asyncio.get_running_loop().time()
+        try:
+            async for finished in response:
+                for index, outcome in finished:
+                    future = group[index][1]
+                    if future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # ours: the ingress is stopping
+                for _, future in group:
+                    future.cancel()
+                raise
+            self._fail_or_resend(group, exc, resends_left, sent_at)  # the call's, raised inside: its replica went
+        except Exception as exc:  # the call itself failed: every request of it still waiting did
+            self._fail_or_resend(group, exc, resends_left, sent_at)
+
+    def _fail_or_resend(self, group: list[_Waiter], exc: BaseException, resends_left: int, sent_at: float) -> None:
+        waiting = [(request, future) for request, future in group if not future.done()]
+        cause = loss_cause(exc)
+        if cause is not None and resends_left:
+            elapsed = asyncio.get_running_loop().time() - sent_at
+            again = [(_less_time(request, elapsed), future) for request, future in waiting]
+            again = [(request, future) for request, future in again if request is not None]
+            if again:
+                if self._on_resend is not None:
+                    self._on_resend(cause, len(again))
+                self._send(again, resends_left - 1)
+            return  # a request left with no time is answered by the ingress's own deadline
+        error = ServiceUnavailable("the model's replica was lost; retry later") if cause is not None else exc
+        for _, future in waiting:
+            future.set_exception(error)
+
+
+def _less_time(request: EmbedRequest, elapsed_s: float) -> EmbedRequest | None:
+    """The request as sent again ``elapsed_s`` later: None when its time has run out."""
+    if request.timeout_s is None:
+        return request
+    remaining = request.timeout_s - elapsed_s
+    return request._replace(timeout_s=remaining) if remaining > 0 else None

@@ -1,0 +1,172 @@
+"""The cache in front of a model's batchers: hits never enter a batcher, misses are batched and written back.
+
+``embed`` receives a request's prepared inputs and the function that submits inputs to the batcher, and returns
+one outcome per input, in order (a vector, or the exception that failed that input), as the batcher would:
+- each distinct input is keyed (``keys.py``); one already being computed is joined (``single_flight.py``); the
+  rest are looked up in the store in one call; what the store lacks is submitted, in one ``submit`` call, by this
+  request, which leads their flights;
+- a computed vector is handed to the joiners at once and written to the store in the background (the flight stays
+  joinable until the write lands, so no request computes it again meanwhile); only vectors are stored, never
+  failures;
+- a store that fails or is slow costs a miss (``store.py``), never the request; a LOW request's lookup may take
+  longer than a HIGH one's (bulk work, which a late hit costs less than computing it again).
+Token counts are not stored: ``usage`` comes from ``Prepared.tokens``, counted for every request when it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Mapping, Sequence
+
+import numpy as np
+
+from batching import DeadlineExceeded, Priority
+
+from deployments.model.backends import Prepared
+from deployments.model.cache.keys import CacheKeys
+from deployments.model.cache.metrics import CacheMetrics
+from deployments.model.cache.single_flight import Flight, FlightAbandoned, Flights
+from deployments.model.cache.store import GuardedStore
+
+Outcome = np.ndarray | BaseException
+# Submits inputs to the batcher with a timeout (None: no deadline); one outcome per input, in order.
+Submit = Callable[[list[Prepared], float | None], Awaitable[Sequence[Outcome]]]
+VECTOR_DTYPE = np.dtype("<f4")  # stored as little-endian float32: the bytes the model returned
+
+
+class Uncached:
+    """No cache: every input is submitted."""
+
+    async def embed(self, prepared: Sequence[Prepared], submit: Submit, *, dimensions: int | None,
+                    priority: Priority, timeout_s: float | None) -> list[Outcome]:
+        return list(await submit(list(prepared), timeout_s))
+
+    async def written(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+class EmbeddingCache:
+    def __init__(self, store: GuardedStore, *, name: str, backend_identity: str, metrics: CacheMetrics) -> None:
+        self._store = store
+        self._name = name
+        self._backend_identity = backend_identity
+        self._metrics = metrics
+        self._keys: dict[int | None, CacheKeys] = {}
+        self._flights: Flights[Outcome] = Flights()
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def embed(self, prepared: Sequence[Prepared], submit: Submit, *, dimensions: int | None,
+                    priority: Priority, timeout_s: float | None) -> list[Outcome]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        keys = self._keys_of(dimensions)
+        request_keys = [keys.key(item.content) for item in prepared]
+        inputs = dict(zip(request_keys, prepared))  # one entry per distinct input
+        joined = {key: flight for key in inputs if (flight := self._flights.joinable(key, priority)) is not None}
+        hits = await self._look_up([key for key in inputs if key not in joined], patient=priority is Priority.LOW)
+        found: dict[str, Outcome] = dict(hits)
+        saved = list(hits)
+        pending = [key for key in inputs if key not in joined and key not in found]
+        while pending or joined:
+            led, also_joined = self._flights.claim(pending, priority)
+            joined.update(also_joined)
+            if led:
+                found.update(await self._compute(led, inputs, submit, deadline))
+            settled, pending = await self._wait_for(joined, deadline)
+            found.update(settled)
+            saved += [key for key, outcome in settled.items() if isinstance(outcome, np.ndarray)]
+            joined = {}
+        self._metrics.looked_up(self._name, "joined", len(saved) - len(hits))
+        self._metrics.saved(self._name, len(saved), sum(inputs[key].tokens for key in saved))
+        return [found[key] for key in request_keys]
+
+    async def written(self) -> None:
+        """Return once every vector computed so far has been written back (or its write given up: each is bounded
+        by the store's timeout), including writes started meanwhile."""
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Let the writes in progress land, then close the store."""
+        await self.written()
+        await self._store.aclose()
+
+    def _keys_of(self, dimensions: int | None) -> CacheKeys:
+        keys = self._keys.get(dimensions)
+        if keys is None:
+            keys = self._keys[dimensions] = CacheKeys(self._name, self._backend_identity, dimensions)
+        return keys
+
+    async def _look_up(self, keys: list[str], *, patient: bool) -> dict[str, np.ndarray]:
+        vectors: dict[str, np.ndarray] = {}
+        for key, value in (await self._store.get_many(keys, patient=patient)).items():
+            if value and len(value) % VECTOR_DTYPE.itemsize == 0:
+                vectors[key] = np.frombuffer(value, dtype=VECTOR_DTYPE)
+            else:
+                self._metrics.store_failed(self._name, self._store.name, "get", "corrupt")
+        self._metrics.looked_up(self._name, "hit", len(vectors))
+        return vectors
+
+    async def _compute(self, led: list[Flight[Outcome]], inputs: Mapping[str, Prepared], submit: Submit,
+                       deadline: float | None) -> dict[str, Outcome]:
+        self._metrics.looked_up(self._name, "miss", len(led))
+        remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
+        if remaining is not None and remaining <= 0:  # spent waiting for flights that were abandoned
+            outcomes: Sequence[Outcome] = [_timed_out() for _ in led]
+        else:
+            try:
+                outcomes = await submit([inputs[flight.key] for flight in led], remaining)
+            except BaseException:  # refused, or the request was cancelled: the joiners compute it themselves
+                for flight in led:
+                    flight.abandon()
+                raise
+        computed: dict[Flight[Outcome], np.ndarray] = {}
+        for flight, outcome in zip(led, outcomes):
+            if isinstance(outcome, DeadlineExceeded):  # this request's deadline; a joiner may have longer
+                flight.abandon()
+                continue
+            flight.settle(outcome)
+            if isinstance(outcome, np.ndarray):
+                computed[flight] = outcome
+            else:
+                flight.land()
+        if computed:
+            self._write_back(computed)
+        return {flight.key: outcome for flight, outcome in zip(led, outcomes)}
+
+    def _write_back(self, computed: dict[Flight[Outcome], np.ndarray]) -> None:
+        task = asyncio.ensure_future(self._write(computed))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, computed: dict[Flight[Outcome], np.ndarray]) -> None:
+        try:
+            await self._store.set_many({flight.key: np.ascontiguousarray(vector, dtype=VECTOR_DTYPE).tobytes()
+                                        for flight, vector in computed.items()})
+        finally:
+            for flight in computed:
+                flight.land()
+
+    async def _wait_for(self, joined: Mapping[str, Flight[Outcome]],
+                        deadline: float | None) -> tuple[dict[str, Outcome], list[str]]:
+        """The outcomes of the joined flights, by key, and the keys whose flight was abandoned."""
+        if not joined:
+            return {}, []
+        timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+        await asyncio.wait({flight.outcome for flight in joined.values()}, timeout=timeout)
+        settled: dict[str, Outcome] = {}
+        abandoned: list[str] = []
+        for key, flight in joined.items():
+            outcome = flight.outcome.result() if flight.outcome.done() else _timed_out()
+            if isinstance(outcome, FlightAbandoned):
+                abandoned.append(key)
+            else:
+                settled[key] = outcome
+        return settled, abandoned
+
+
+def _timed_out() -> DeadlineExceeded:
+    return DeadlineExceeded("the request timed out before it was embedded")

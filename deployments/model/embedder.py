@@ -1,0 +1,264 @@
+"""``EmbeddingModel``: one model behind one ``AdaptiveBatcher`` per output size, what each replica of the model's
+Ray Serve deployment runs (``deployments.app`` makes the class a deployment; tests build it as it is).
+
+Every input of a request is one item in the shared queue, so a request's inputs ride with other requests' inputs,
+and a failing input fails alone. Handle callers get ``(vectors float32 [n, d], token_counts)`` or a
+``deployments.errors.ServiceError`` naming the input at fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Awaitable, Sequence
+
+import numpy as np
+
+from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, NeverFits,
+                      Overloaded, Priority)
+
+from deployments.autoscaling import QUEUE_DEPTH_METRIC
+from deployments.config import ModelConfig
+from deployments.errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
+                     UpstreamFailed, UpstreamRateLimited)
+from deployments.model.backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
+from deployments.model.backends.prompts import UnknownPrompt
+from deployments.model.cache import CacheMetrics, make_cache
+from deployments.model.metrics import RayServeMetrics
+from deployments.model.quota import PacedInput, make_pacer
+from deployments.model.quota.metrics import RayQuotaMetrics
+from deployments.wire import EmbedRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each input's token count
+
+
+def _token_cost(payload: Prepared) -> float:
+    return payload.tokens
+
+
+class EmbeddingModel:
+    def __init__(
+        self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,
+        cache_metrics: CacheMetrics | None = None,
+    ) -> None:
+        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks."""
+        self._model = model
+        self._backend = backend if backend is not None else make_backend(model)
+        self._metrics = metrics if metrics is not None else RayServeMetrics()
+        self._cache = make_cache(model, cache_metrics)
+        # an upstream model's calls claim the provider's quota first (deployments/model/quota/); its answers update it
+        self._pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None)
+        if self._pacer is not None:
+            self._backend.on_response = self._pacer.observe
+        self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
+        self._closing = False
+
+    async def embed(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        priority: Priority | str = Priority.HIGH,
+        timeout_s: float | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        input_type: str | None = None,
+    ) -> Embeddings:
+        """The vectors of ``texts`` in order, or a ``ServiceError`` naming the input at fault. ``prompt_name`` or
+        ``input_type`` choose the model's prompt (neither: its default)."""
+        return await self._embed(EmbedRequest(texts, priority, timeout_s, dimensions, prompt_name, input_type))
+
+    async def embed_many(
+        self, requests: Sequence[EmbedRequest]
+    ) -> AsyncIterator[list[tuple[int, Embeddings | BaseException]]]:
+        """Several requests in one call (the ingress forwards those that reach it together), streamed back: each is
+        served as if it came alone, with its own priority and deadline, and its ``(index, outcome)`` is yielded as
+        soon as it is done (those done together in one list), so a quick answer never waits for a slow neighbour.
+        Failures are yielded, not raised, so one bad request neither fails the others nor fills the replica's log."""
+        tasks = [asyncio.ensure_future(self._embed(request)) for request in requests]
+        index = {task: i for i, task in enumerate(tasks)}
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                yield [(index[task], task.exception() or task.result()) for task in done]
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def stats(self) -> dict[str, BatcherStats]:
+        """Each batcher's counters, by batcher name."""
+        return {batcher.name: batcher.stats() for batcher in self._batchers.values()}
+
+    async def backend_stats(self) -> dict[str, int]:
+        """The backend's own counters (the ``openai`` backend: calls it gave up on, which may still be billed)."""
+        stats = getattr(self._backend, "stats", None)
+        return dict(stats()) if callable(stats) else {}
+
+    async def cache_written(self) -> None:
+        """Return once every vector this replica computed so far is in its cache's store (or its write was given
+        up): a write-back lands after its request was answered."""
+        await self._cache.written()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve every few seconds and handed to the autoscaling policy."""
+        snapshots = [batcher.stats() for batcher in self._batchers.values()]
+        return {
+            QUEUE_DEPTH_METRIC: float(sum(s.queue_depth + s.delayed for s in snapshots)),
+            "in_flight_batches": float(sum(s.in_flight_batches for s in snapshots)),
+        }
+
+    async def aclose(self) -> None:
+        """Stop taking inputs, send every queued one and wait for it, then release the backend."""
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(batcher.aclose(drain=True) for batcher in self._batchers.values()))
+        await self._cache.aclose()
+        await self._backend.aclose()
+
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve calls ``__del__`` on replica shutdown (after it stopped routing requests here) and awaits the
+        coroutine it returns: the queued inputs are drained. The garbage collector calls it too, with no running
+        event loop; there is then nothing to drain into, and nothing is returned."""
+        if getattr(self, "_closing", True):  # closed already, or __init__ never finished
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self.aclose()
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    async def _embed(self, request: EmbedRequest) -> Embeddings:
+        texts, timeout_s = request.inputs, request.timeout_s
+        try:
+            level = Priority.parse(request.priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="priority") from None
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
+        if not texts:
+            raise InvalidRequest("there is nothing to embed", param="input")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        dimensions = self._output_size(request.dimensions)
+        prompt = self._prompt(request)
+        batcher = self._batcher(dimensions)
+        prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt))
+        self._raise_first_failure(prepared)
+        if timeout_s is not None:  # preparing the inputs took part of it
+            timeout_s -= loop.time() - started
+            if timeout_s <= 0:
+                raise RequestTimedOut("the request timed out before it was embedded")
+
+        async def submit(items: list[Prepared], timeout: float | None) -> Sequence[np.ndarray | BaseException]:
+            if self._pacer is not None:  # its batch's claim needs the priority and deadlines
+                deadline = None if timeout is None else loop.time() + timeout
+                items = [PacedInput(item.content, item.tokens, level, deadline) for item in items]
+            return await batcher.submit_many(items, priority=level, timeout_s=timeout, return_exceptions=True)
+
+        try:  # the cache submits only what it does not hold (all of it when the entry has no cache)
+            outcomes = await self._cache.embed(prepared, submit, dimensions=dimensions, priority=level,
+                                               timeout_s=timeout_s)
+        except Overloaded as exc:
+            raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
+                                  retry_after_s=exc.retry_after_s) from None
+        except BatcherClosed:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry") from None
+        except NeverFits as exc:
+            raise InvalidRequest(str(exc), param="input") from None
+        self._raise_first_failure(outcomes)
+        return np.stack(outcomes).astype(np.float32, copy=False), [item.tokens for item in prepared]
+
+
+    def _output_size(self, dimensions: int | None) -> int | None:
+        """The batcher key: None for the model's own size, so asking for it explicitly shares that batcher."""
+        if dimensions is None or dimensions == self._backend.dimension:
+            return None
+        valid = isinstance(dimensions, int) and not isinstance(dimensions, bool) and dimensions >= 1
+        if not valid or not self._backend.supports_dimensions(dimensions):
+            native = self._backend.dimension
+            hint = f"omit it or send {native}" if native else "send a positive integer"
+            raise InvalidRequest(
+                f"model {self._model.name!r} cannot return {dimensions!r}-dimensional embeddings; {hint}",
+                param="dimensions",
+            )
+        return dimensions
+
+    def _prompt(self, request: EmbedRequest) -> str:
+        """The prompt's text, the same for every input of the request; applied before batching, so inputs of any
+        prompts share batches (and the cache keys each by its ids, the prompt's included)."""
+        try:
+            return self._backend.prompts.choose(request.prompt_name, request.input_type)
+        except UnknownPrompt as exc:
+            param = "prompt_name" if request.prompt_name is not None else "input_type"
+            raise InvalidRequest(f"model {self._model.name!r}: {exc}", param=param) from None
+
+    def _within_token_limit(self, prepared: Sequence[Prepared | BaseException]) -> list[Prepared | BaseException]:
+        """An input longer than ``max_input_tokens`` fails alone, before it costs an upstream call."""
+        limit = self._model.max_input_tokens
+        if limit is None:
+            return list(prepared)
+        return [
+            ItemRejected(f"the input holds {item.tokens} tokens; this model takes at most {limit}")
+            if isinstance(item, Prepared) and item.tokens > limit else item
+            for item in prepared
+        ]
+
+    def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Prepared, np.ndarray]:
+        if self._closing:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
+        batcher = self._batchers.get(dimensions)
+        if batcher is None:
+            size = dimensions or self._backend.dimension or "default"
+            backend = self._backend
+
+            pacer = self._pacer
+
+            async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
+                def send() -> Awaitable[Sequence[np.ndarray | BaseException]]:
+                    return backend.embed([payload.content for payload in payloads], dimensions)
+
+                return await (send() if pacer is None else pacer.paced(payloads, send))
+
+            batcher = AdaptiveBatcher(
+                process,
+                self._model.batcher,
+                cost_fn=_token_cost,
+                metrics=self._metrics,
+                name=f"{self._model.name}/d={size}",
+            )
+            self._batchers[dimensions] = batcher
+        return batcher
+
+    def _raise_first_failure(self, outcomes: Sequence[Any]) -> None:
+        failures = [(i, outcome) for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
+        if not failures:
+            return
+        index, error = failures[0]
+        more = f" ({len(failures) - 1} more input(s) failed too)" if len(failures) > 1 else ""
+        raise _service_error(error, index, more, self._model.name) from None
+
+
+def _service_error(error: BaseException, index: int, more: str, model: str) -> ServiceError:
+    where = f"input[{index}]"
+    if isinstance(error, ServiceError):
+        return error
+    if isinstance(error, ItemRejected):
+        return InvalidRequest(f"{where}: {error}{more}", param="input", index=index)
+    if isinstance(error, DeadlineExceeded):
+        return RequestTimedOut(f"{where}: the request timed out before it was embedded{more}", index=index)
+    if isinstance(error, BatcherClosed):
+        return ServiceUnavailable(f"model {model!r} is shutting down; retry{more}", index=index)
+    if isinstance(error, UpstreamError) and error.status == 429:
+        return UpstreamRateLimited(f"{where}: the upstream is rate-limiting this service: {error}{more}", index=index,
+                                   retry_after_s=error.retry_after_s or 1.0)
+    if isinstance(error, (UpstreamError, ConnectionError, TimeoutError)):
+        return UpstreamFailed(f"{where}: the upstream model failed: {error}{more}", index=index)
+    logger.error("model %r failed on %s", model, where, exc_info=error)
+    return ServiceError(f"{where}: the model failed ({type(error).__name__}){more}", index=index)
+
+
