@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the engine's pieces import this module (prompts), and they 
 INPUT_TYPES = ("query", "document")  # what a request may say its inputs are (deployments/model/backends/prompts.py)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Deadline:
     """The moment, on the running event loop's clock (``loop.time()``), by which a request must be answered."""
 

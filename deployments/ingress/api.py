@@ -28,7 +28,7 @@ from deployments.ingress.forwarding import ModelForwarder
 from deployments.ingress.metrics import ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
 from deployments.ingress.openai_errors import error_response, status_response
-from deployments.wire import EmbedRequest
+from deployments.wire import Deadline, EmbedRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -101,8 +101,8 @@ class _Routes:
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        embed = EmbedRequest(body.input, priority, _remaining(deadline), body.dimensions, body.prompt_name,
-                             body.input_type)
+        embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
+                             input_type=body.input_type)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
         content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
         return Response(content=content, media_type="application/json")
@@ -128,7 +128,7 @@ class _Routes:
 
     # ---- internals ----------------------------------------------------------------------------------------
 
-    async def _read_body(self, request: Request, deadline: float | None) -> bytes:
+    async def _read_body(self, request: Request, deadline: Deadline | None) -> bytes:
         """The body, refused with a 413 as soon as it is known to exceed ``max_body_bytes`` (from Content-Length
         before reading, or while reading a body sent without one); a 408 if it does not arrive in time, a 504 if the
         request's own deadline passes first."""
@@ -139,25 +139,25 @@ class _Routes:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        read_by = time.monotonic() + BODY_READ_TIMEOUT_S
+        read_by = asyncio.get_running_loop().time() + BODY_READ_TIMEOUT_S
         try:
-            async with asyncio.timeout_at(_loop_time(min(read_by, deadline or read_by))):
+            async with asyncio.timeout_at(read_by if deadline is None else min(read_by, deadline.at)):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
                         raise too_large
                     chunks.append(chunk)
         except TimeoutError:
-            if deadline is not None and deadline <= read_by:
+            if deadline is not None and deadline.at <= read_by:
                 raise RequestTimedOut("the deadline passed while the request was read") from None
             raise BodyReadTimeout(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s") from None
         return b"".join(chunks)
 
-    async def _embed(self, forwarder: ModelForwarder, request: EmbedRequest, deadline: float | None) -> Any:
+    async def _embed(self, forwarder: ModelForwarder, request: EmbedRequest, deadline: Deadline | None) -> Any:
         """The model's answer, or a 504 at the deadline (the model drops what it had not sent by then too)."""
-        outcome = forwarder.forward(request)
+        outcome = forwarder.forward(request, deadline)
         try:
-            async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+            async with asyncio.timeout_at(None if deadline is None else deadline.at):
                 return await outcome
         except TimeoutError:
             if not outcome.done() or outcome.cancelled():  # our timeout, not the model's answer
@@ -212,17 +212,8 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(ServiceError("the server failed to process the request"))
 
 
-def _answer_by(timeout_s: float | None) -> float | None:
-    """The ``time.monotonic()`` moment by which a request with this timeout must have its answer sent."""
+def _answer_by(timeout_s: float | None) -> Deadline | None:
+    """When a request that arrived now with this timeout must have its answer sent (the margin is for the way back)."""
     if timeout_s is None:
         return None
-    return time.monotonic() + timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _loop_time(monotonic_at: float) -> float:
-    """A ``time.monotonic()`` moment on the running loop's clock."""
-    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
+    return Deadline.after(timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10))

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 from deployments.errors import ServiceUnavailable
 from deployments.ingress.replica_loss import loss_cause
-from deployments.wire import EmbedRequest
+from deployments.wire import Deadline, EmbedRequest
 
 RESENDS = 2  # times a request follows its replica's loss to another one
 
-_Waiter = tuple[EmbedRequest, asyncio.Future]
+_Waiter = tuple[EmbedRequest, Deadline | None, asyncio.Future]
 OnResend = Callable[[str, int], None]  # (the cause of the loss, how many requests were sent again)
 
 
@@ -34,24 +34,28 @@ class ModelForwarder:
         self._pending: list[_Waiter] = []
         self._deliveries: set[asyncio.Task] = set()
 
-    def forward(self, request: EmbedRequest) -> asyncio.Future:
-        """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with.
-        Cancelling it gives up on the request (and on the call, once every request of the call gave up)."""
+    def forward(self, request: EmbedRequest, deadline: Deadline | None = None) -> asyncio.Future:
+        """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with. Each time
+        the request is sent, its ``timeout_s`` is what is left of ``deadline`` then; once nothing is left it is not
+        sent again (its caller's own deadline answers it). Cancelling the future gives up on the request (and on the
+        call, once every request of the call gave up)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.append((request, future))
+        self._pending.append((request, deadline, future))
         return future
 
     def _flush(self) -> None:
         group, self._pending = self._pending, []
-        live = [(request, future) for request, future in group if not future.done()]
-        if live:
-            self._send(live, RESENDS)
+        self._send(group, RESENDS)
 
     def _send(self, group: list[_Waiter], resends_left: int) -> None:
-        response = self._handle.remote([request for request, _ in group])
+        group = [waiter for waiter in group if not waiter[2].done() and _time_left(waiter[1])]
+        if not group:
+            return
+        response = self._handle.remote([request._replace(timeout_s=Deadline.seconds_left(deadline))
+                                        for request, deadline, _ in group])
         delivery = asyncio.ensure_future(self._deliver(response, group, resends_left))
         self._deliveries.add(delivery)
         delivery.add_done_callback(self._deliveries.discard)
@@ -63,15 +67,14 @@ class ModelForwarder:
                 if remaining[0] == 0:
                     response.cancel()
 
-        for _, future in group:
+        for _, _, future in group:
             future.add_done_callback(given_up)
 
     async def _deliver(self, response: Any, group: list[_Waiter], resends_left: int) -> None:
-        sent_at = asyncio.get_running_loop().time()
         try:
             async for finished in response:
                 for index, outcome in finished:
-                    future = group[index][1]
+                    future = group[index][2]
                     if future.done():
                         continue
                     if isinstance(outcome, BaseException):
@@ -80,33 +83,27 @@ class ModelForwarder:
                         future.set_result(outcome)
         except asyncio.CancelledError as exc:
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # ours: the ingress is stopping
-                for _, future in group:
+                for _, _, future in group:
                     future.cancel()
                 raise
-            self._fail_or_resend(group, exc, resends_left, sent_at)  # the call's, raised inside: its replica went
+            self._fail_or_resend(group, exc, resends_left)  # the call's, raised inside: its replica went
         except Exception as exc:  # the call itself failed: every request of it still waiting did
-            self._fail_or_resend(group, exc, resends_left, sent_at)
+            self._fail_or_resend(group, exc, resends_left)
 
-    def _fail_or_resend(self, group: list[_Waiter], exc: BaseException, resends_left: int, sent_at: float) -> None:
-        waiting = [(request, future) for request, future in group if not future.done()]
+    def _fail_or_resend(self, group: list[_Waiter], exc: BaseException, resends_left: int) -> None:
+        waiting = [waiter for waiter in group if not waiter[2].done()]
         cause = loss_cause(exc)
         if cause is not None and resends_left:
-            elapsed = asyncio.get_running_loop().time() - sent_at
-            again = [(_less_time(request, elapsed), future) for request, future in waiting]
-            again = [(request, future) for request, future in again if request is not None]
+            again = [waiter for waiter in waiting if _time_left(waiter[1])]
             if again:
                 if self._on_resend is not None:
                     self._on_resend(cause, len(again))
                 self._send(again, resends_left - 1)
             return  # a request left with no time is answered by the ingress's own deadline
         error = ServiceUnavailable("the model's replica was lost; retry later") if cause is not None else exc
-        for _, future in waiting:
+        for _, _, future in waiting:
             future.set_exception(error)
 
 
-def _less_time(request: EmbedRequest, elapsed_s: float) -> EmbedRequest | None:
-    """The request as sent again ``elapsed_s`` later: None when its time has run out."""
-    if request.timeout_s is None:
-        return request
-    remaining = request.timeout_s - elapsed_s
-    return request._replace(timeout_s=remaining) if remaining > 0 else None
+def _time_left(deadline: Deadline | None) -> bool:
+    return deadline is None or deadline.remaining() > 0

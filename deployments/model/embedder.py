@@ -14,8 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import numpy as np
 
-from batching import (AdaptiveBatcher, BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, NeverFits,
-                      Overloaded, Priority)
+from batching import BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceeded, NeverFits, Overloaded, Priority
 
 from deployments.autoscaling import QUEUE_DEPTH_METRIC
 from deployments.config import ModelConfig
@@ -23,20 +22,18 @@ from deployments.errors import (InvalidRequest, ModelOverloaded, RequestTimedOut
                      UpstreamFailed, UpstreamRateLimited)
 from deployments.model.backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
 from deployments.model.backends.prompts import UnknownPrompt
+from deployments.model.batched import BatchedBackend
 from deployments.model.cache import CacheMetrics, make_cache
 from deployments.model.metrics import RayServeMetrics
-from deployments.model.quota import PacedInput, make_pacer
+from deployments.model.quota import make_pacer
 from deployments.model.quota.metrics import RayQuotaMetrics
-from deployments.wire import EmbedRequest
+from deployments.model.stage import EmbeddingStage
+from deployments.wire import Deadline, EmbedRequest
 
 logger = logging.getLogger("ray.serve")
 
 
 Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each input's token count
-
-
-def _token_cost(payload: Prepared) -> float:
-    return payload.tokens
 
 
 class EmbeddingModel:
@@ -47,13 +44,15 @@ class EmbeddingModel:
         """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks."""
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
-        self._metrics = metrics if metrics is not None else RayServeMetrics()
-        self._cache = make_cache(model, cache_metrics)
         # an upstream model's calls claim the provider's quota first (deployments/model/quota/); its answers update it
-        self._pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None)
-        if self._pacer is not None:
-            self._backend.on_response = self._pacer.observe
-        self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
+        pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None)
+        if pacer is not None:
+            self._backend.on_response = pacer.observe
+        # the path runs one way: the cache (if any) answers what it holds and passes the rest to the batchers
+        self._batched = BatchedBackend(model.name, self._backend, model.batcher,
+                                       metrics if metrics is not None else RayServeMetrics(), pacer)
+        self._cache = make_cache(model, self._batched, cache_metrics)
+        self._first_stage: EmbeddingStage = self._cache if self._cache is not None else self._batched
         self._closing = False
 
     async def embed(
@@ -89,7 +88,7 @@ class EmbeddingModel:
 
     async def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""
-        return {batcher.name: batcher.stats() for batcher in self._batchers.values()}
+        return self._batched.stats()
 
     async def backend_stats(self) -> dict[str, int]:
         """The backend's own counters (the ``openai`` backend: calls it gave up on, which may still be billed)."""
@@ -99,11 +98,12 @@ class EmbeddingModel:
     async def cache_written(self) -> None:
         """Return once every vector this replica computed so far is in its cache's store (or its write was given
         up): a write-back lands after its request was answered."""
-        await self._cache.written()
+        if self._cache is not None:
+            await self._cache.written()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every few seconds and handed to the autoscaling policy."""
-        snapshots = [batcher.stats() for batcher in self._batchers.values()]
+        snapshots = self._batched.stats().values()
         return {
             QUEUE_DEPTH_METRIC: float(sum(s.queue_depth + s.delayed for s in snapshots)),
             "in_flight_batches": float(sum(s.in_flight_batches for s in snapshots)),
@@ -114,8 +114,9 @@ class EmbeddingModel:
         if self._closing:
             return
         self._closing = True
-        await asyncio.gather(*(batcher.aclose(drain=True) for batcher in self._batchers.values()))
-        await self._cache.aclose()
+        await self._batched.aclose()
+        if self._cache is not None:
+            await self._cache.aclose()
         await self._backend.aclose()
 
     def __del__(self) -> Awaitable[None] | None:
@@ -140,29 +141,20 @@ class EmbeddingModel:
             raise InvalidRequest(str(exc), param="priority") from None
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidRequest("the timeout must be a positive number of seconds", param="timeout_s")
+        deadline = Deadline.of(timeout_s)  # on arrival: preparing the inputs takes part of it
         if not texts:
             raise InvalidRequest("there is nothing to embed", param="input")
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        if self._closing:
+            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
         dimensions = self._output_size(request.dimensions)
         prompt = self._prompt(request)
-        batcher = self._batcher(dimensions)
         prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt))
         self._raise_first_failure(prepared)
-        if timeout_s is not None:  # preparing the inputs took part of it
-            timeout_s -= loop.time() - started
-            if timeout_s <= 0:
-                raise RequestTimedOut("the request timed out before it was embedded")
-
-        async def submit(items: list[Prepared], timeout: float | None) -> Sequence[np.ndarray | BaseException]:
-            if self._pacer is not None:  # its batch's claim needs the priority and deadlines
-                deadline = None if timeout is None else loop.time() + timeout
-                items = [PacedInput(item.content, item.tokens, level, deadline) for item in items]
-            return await batcher.submit_many(items, priority=level, timeout_s=timeout, return_exceptions=True)
-
-        try:  # the cache submits only what it does not hold (all of it when the entry has no cache)
-            outcomes = await self._cache.embed(prepared, submit, dimensions=dimensions, priority=level,
-                                               timeout_s=timeout_s)
+        if deadline is not None and deadline.remaining() <= 0:
+            raise RequestTimedOut("the request timed out before it was embedded")
+        try:
+            outcomes = await self._first_stage.embed(prepared, dimensions=dimensions, priority=level,
+                                                     deadline=deadline)
         except Overloaded as exc:
             raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
                                   retry_after_s=exc.retry_after_s) from None
@@ -172,7 +164,6 @@ class EmbeddingModel:
             raise InvalidRequest(str(exc), param="input") from None
         self._raise_first_failure(outcomes)
         return np.stack(outcomes).astype(np.float32, copy=False), [item.tokens for item in prepared]
-
 
     def _output_size(self, dimensions: int | None) -> int | None:
         """The batcher key: None for the model's own size, so asking for it explicitly shares that batcher."""
@@ -207,32 +198,6 @@ class EmbeddingModel:
             if isinstance(item, Prepared) and item.tokens > limit else item
             for item in prepared
         ]
-
-    def _batcher(self, dimensions: int | None) -> AdaptiveBatcher[Prepared, np.ndarray]:
-        if self._closing:
-            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
-        batcher = self._batchers.get(dimensions)
-        if batcher is None:
-            size = dimensions or self._backend.dimension or "default"
-            backend = self._backend
-
-            pacer = self._pacer
-
-            async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
-                def send() -> Awaitable[Sequence[np.ndarray | BaseException]]:
-                    return backend.embed([payload.content for payload in payloads], dimensions)
-
-                return await (send() if pacer is None else pacer.paced(payloads, send))
-
-            batcher = AdaptiveBatcher(
-                process,
-                self._model.batcher,
-                cost_fn=_token_cost,
-                metrics=self._metrics,
-                name=f"{self._model.name}/d={size}",
-            )
-            self._batchers[dimensions] = batcher
-        return batcher
 
     def _raise_first_failure(self, outcomes: Sequence[Any]) -> None:
         failures = [(i, outcome) for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]

@@ -14,6 +14,7 @@ from deployments.errors import UpstreamRateLimited
 from deployments.model.quota.budget import Limits
 from deployments.model.quota.limiter import connect
 from deployments.model.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
+from deployments.wire import Deadline
 
 LIMITS = Limits(rpm=None, tpm=60_000, headroom=1.0)
 
@@ -23,7 +24,7 @@ def pacer(name: str) -> QuotaPacer:
 
 
 def batch(tokens: int, timeout_s: float) -> list[PacedInput]:
-    return [PacedInput("text", tokens, Priority.HIGH, asyncio.get_running_loop().time() + timeout_s)]
+    return [PacedInput("text", tokens, Priority.HIGH, Deadline.after(timeout_s))]
 
 
 async def send() -> list[str]:

@@ -13,6 +13,7 @@ from batching import DeadlineExceeded, Priority
 from deployments.model.backends import Prepared
 from deployments.model.cache import CacheMetrics, EmbeddingCache
 from deployments.model.cache.store import GuardedStore
+from deployments.wire import Deadline
 
 T = TypeVar("T")
 DIM = 8
@@ -80,24 +81,28 @@ class RecordingMetrics(CacheMetrics):
 
 
 class FakeModel:
-    """``submit`` as the embedder passes it: vectors derived from the content; ``gate`` (when set) holds every call
-    until released, within the call's timeout; then ``refuse`` (when set) is raised instead."""
+    """The stage behind the cache (the batchers, in the service): vectors derived from the content; ``gate`` (when
+    set) holds every call until released, within the call's deadline; then ``refuse`` (when set) is raised instead,
+    or ``refuse_next`` for the first call alone."""
 
     def __init__(self) -> None:
         self.calls: list[list[Hashable]] = []
         self.gate: asyncio.Event | None = None
         self.refuse: BaseException | None = None
+        self.refuse_next: BaseException | None = None
         self.failing: set[Hashable] = set()
 
-    async def submit(self, items: list[Prepared], timeout_s: float | None) -> list[np.ndarray | BaseException]:
+    async def embed(self, items: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
+                    deadline: Deadline | None) -> list[np.ndarray | BaseException]:
         self.calls.append([item.content for item in items])
+        refusal, self.refuse_next = self.refuse_next or self.refuse, None
         if self.gate is not None:
             try:
-                await asyncio.wait_for(self.gate.wait(), timeout_s)
+                await asyncio.wait_for(self.gate.wait(), Deadline.seconds_left(deadline))
             except TimeoutError:
                 return [DeadlineExceeded("late") for _ in items]
-        if self.refuse is not None:
-            raise self.refuse
+        if refusal is not None:
+            raise refusal
         return [ValueError("bad input") if item.content in self.failing else vector(item.content) for item in items]
 
     def computed(self) -> list[Hashable]:
@@ -105,12 +110,12 @@ class FakeModel:
 
 
 def make_cache(store: MemoryStore | None = None, metrics: RecordingMetrics | None = None, *,
-               identity: str = "fake-model v1", name: str = "fake",
+               model: FakeModel | None = None, identity: str = "fake-model v1", name: str = "fake",
                patient_timeout_s: float | None = None) -> EmbeddingCache:
     metrics = metrics or RecordingMetrics()
     guarded = GuardedStore(store or MemoryStore(), cache=name, timeout_s=TIMEOUT_S, metrics=metrics,
                            patient_timeout_s=patient_timeout_s)
-    return EmbeddingCache(guarded, name=name, backend_identity=identity, metrics=metrics)
+    return EmbeddingCache(guarded, model or FakeModel(), name=name, backend_identity=identity, metrics=metrics)
 
 
 def held_model() -> FakeModel:
@@ -127,10 +132,10 @@ async def started(call: Awaitable[T]) -> asyncio.Future[T]:
     return task
 
 
-async def embed(cache: EmbeddingCache, model: FakeModel, *contents: Hashable, priority: Priority = Priority.HIGH,
+async def embed(cache: EmbeddingCache, *contents: Hashable, priority: Priority = Priority.HIGH,
                 timeout_s: float | None = None, dimensions: int | None = None) -> list[np.ndarray | BaseException]:
-    return await cache.embed(prepared(*contents), model.submit, dimensions=dimensions, priority=priority,
-                             timeout_s=timeout_s)
+    return await cache.embed(prepared(*contents), dimensions=dimensions, priority=priority,
+                             deadline=Deadline.of(timeout_s))
 
 
 async def settle() -> None:

@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 
 from deployments.ingress.forwarding import ModelForwarder
-from deployments.wire import EmbedRequest
+from deployments.wire import Deadline, EmbedRequest
 
 pytestmark = pytest.mark.looptime
 
@@ -153,8 +153,8 @@ async def test_a_request_is_sent_again_with_what_is_left_of_its_time_and_not_at_
 
     handle = DyingHandle([ActorDiedError()], answered=[0])
     forwarder = ModelForwarder(handle)
-    roomy = forwarder.forward(EmbedRequest(["roomy"], timeout_s=5.0))
-    tight = forwarder.forward(EmbedRequest(["tight"], timeout_s=0.05))
+    roomy = forwarder.forward(EmbedRequest(["roomy"]), Deadline.after(5.0))
+    tight = forwarder.forward(EmbedRequest(["tight"]), Deadline.after(0.05))
     assert await roomy == "vectors of roomy"
     assert handle.calls[1] == [("roomy", pytest.approx(4.9))]
     assert not tight.done()  # the ingress's own deadline answers it (504)

@@ -15,6 +15,7 @@ from deployments.model.quota.budget import Limits, QuotaBudget
 from deployments.model.quota.limiter import Answer, Report, answer, apply_reports
 from deployments.model.quota.metrics import QuotaMetrics
 from deployments.model.quota.pacer import PacedInput, QuotaPacer
+from deployments.wire import Deadline
 
 pytestmark = pytest.mark.looptime
 
@@ -78,8 +79,7 @@ def pacer_on(ledger: object, limits: Limits, metrics: QuotaMetrics | None = None
 
 
 def batch(priority: Priority, tokens: int, *, timeout_s: float | None = None, size: int = 2) -> list[PacedInput]:
-    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-    return [PacedInput(f"text {i}", tokens // size, priority, deadline) for i in range(size)]
+    return [PacedInput(f"text {i}", tokens // size, priority, Deadline.of(timeout_s)) for i in range(size)]
 
 
 async def sent(inputs: list[PacedInput]) -> list[str]:
@@ -120,7 +120,7 @@ async def test_past_the_cap_an_input_is_429_if_its_deadline_comes_first_else_que
     pacer = pacer_on(ledger, limits, max_wait_s=0.5)
     loop = asyncio.get_running_loop()
     ledger.budget.claim(HIGH, 60_000, now=loop.time())
-    inputs = [PacedInput("soon", 500, HIGH, loop.time() + 0.9), PacedInput("later", 500, HIGH, loop.time() + 9.0)]
+    inputs = [PacedInput("soon", 500, HIGH, Deadline.after(0.9)), PacedInput("later", 500, HIGH, Deadline.after(9.0))]
     soon, later = await pacer.paced(inputs, lambda: sent(inputs))  # held in 1 s: past the cap
     assert isinstance(soon, UpstreamRateLimited) and soon.retry_after_s == pytest.approx(1.0)
     assert isinstance(later, UpstreamError) and is_retryable(later) and later.retry_after_s == pytest.approx(1.0)
@@ -267,5 +267,6 @@ async def test_a_model_without_limits_is_not_paced_until_the_provider_reports_on
 
 
 def test_paced_inputs_are_equal_by_content_so_a_batch_sends_equal_inputs_once() -> None:
-    assert PacedInput("a", 1, HIGH, 1.0) == PacedInput("a", 1, HIGH, 2.0)
-    assert len({PacedInput("a", 1, HIGH, 1.0), PacedInput("a", 1, HIGH, None), PacedInput("b", 1, HIGH, 1.0)}) == 2
+    assert PacedInput("a", 1, HIGH, Deadline(1.0)) == PacedInput("a", 1, HIGH, Deadline(2.0))
+    assert len({PacedInput("a", 1, HIGH, Deadline(1.0)), PacedInput("a", 1, HIGH, None),
+                PacedInput("b", 1, HIGH, Deadline(1.0))}) == 2

@@ -6,7 +6,7 @@ itself), ``metrics``, ``build`` (the cache a model entry names).
 """
 
 from deployments.model.cache.build import make_cache
-from deployments.model.cache.front import EmbeddingCache, Uncached
+from deployments.model.cache.front import EmbeddingCache
 from deployments.model.cache.metrics import CacheMetrics, RayServeCacheMetrics
 
-__all__ = ["CacheMetrics", "EmbeddingCache", "RayServeCacheMetrics", "Uncached", "make_cache"]
+__all__ = ["CacheMetrics", "EmbeddingCache", "RayServeCacheMetrics", "make_cache"]

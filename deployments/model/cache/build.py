@@ -6,24 +6,28 @@ from pathlib import Path
 
 from deployments.config import DEFAULT_REDIS_TTL_S, CacheConfig, ModelConfig
 from deployments.model.cache.disk_store import DiskStore
-from deployments.model.cache.front import EmbeddingCache, Uncached
+from deployments.model.cache.front import EmbeddingCache
 from deployments.model.cache.metrics import CacheMetrics, RayServeCacheMetrics
 from deployments.model.cache.redis_store import RedisStore
 from deployments.model.cache.store import GuardedStore, VectorStore, longest_call_s
+from deployments.model.stage import EmbeddingStage
 from deployments.secrets import read_secret
 
 DEFAULT_DIRECTORY = Path("~/.cache/adaptive-embeddings/vectors")
 
 
-def make_cache(model: ModelConfig, metrics: CacheMetrics | None = None) -> EmbeddingCache | Uncached:
-    """``metrics`` defaults to the Ray Serve sink."""
+def make_cache(model: ModelConfig, next_stage: EmbeddingStage,
+               metrics: CacheMetrics | None = None) -> EmbeddingCache | None:
+    """The entry's cache in front of ``next_stage``, or None when it has none. ``metrics`` defaults to the Ray
+    Serve sink."""
     if model.cache is None:
-        return Uncached()
+        return None
     metrics = metrics if metrics is not None else RayServeCacheMetrics()
     store = GuardedStore(make_store(model.cache, model.name), cache=model.name,
                          timeout_s=model.cache.timeout_ms / 1000.0,
                          patient_timeout_s=model.cache.low_timeout_ms / 1000.0, metrics=metrics)
-    return EmbeddingCache(store, name=model.name, backend_identity=vector_identity(model), metrics=metrics)
+    return EmbeddingCache(store, next_stage, name=model.name, backend_identity=vector_identity(model),
+                          metrics=metrics)
 
 
 def make_store(config: CacheConfig, model_name: str) -> VectorStore:

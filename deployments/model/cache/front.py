@@ -1,9 +1,10 @@
 """The cache in front of a model's batchers: hits never enter a batcher, misses are batched and written back.
 
-``embed`` receives a request's prepared inputs and the function that submits inputs to the batcher, and returns
-one outcome per input, in order (a vector, or the exception that failed that input), as the batcher would:
+A stage of the model's path (``deployments.model.stage``): ``embed`` receives a request's prepared inputs and
+returns one outcome per input, in order (a vector, or the exception that failed that input), passing what it does
+not hold to the next stage (the batchers):
 - each distinct input is keyed (``keys.py``); one already being computed is joined (``single_flight.py``); the
-  rest are looked up in the store in one call; what the store lacks is submitted, in one ``submit`` call, by this
+  rest are looked up in the store in one call; what the store lacks goes to the next stage, in one call, by this
   request, which leads their flights;
 - a computed vector is handed to the joiners at once and written to the store in the background (the flight stays
   joinable until the write lands, so no request computes it again meanwhile); only vectors are stored, never
@@ -16,7 +17,7 @@ Token counts are not stored: ``usage`` comes from ``Prepared.tokens``, counted f
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -27,30 +28,17 @@ from deployments.model.cache.keys import CacheKeys
 from deployments.model.cache.metrics import CacheMetrics
 from deployments.model.cache.single_flight import Flight, FlightAbandoned, Flights
 from deployments.model.cache.store import GuardedStore
+from deployments.model.stage import EmbeddingStage, Outcome
+from deployments.wire import Deadline
 
-Outcome = np.ndarray | BaseException
-# Submits inputs to the batcher with a timeout (None: no deadline); one outcome per input, in order.
-Submit = Callable[[list[Prepared], float | None], Awaitable[Sequence[Outcome]]]
 VECTOR_DTYPE = np.dtype("<f4")  # stored as little-endian float32: the bytes the model returned
 
 
-class Uncached:
-    """No cache: every input is submitted."""
-
-    async def embed(self, prepared: Sequence[Prepared], submit: Submit, *, dimensions: int | None,
-                    priority: Priority, timeout_s: float | None) -> list[Outcome]:
-        return list(await submit(list(prepared), timeout_s))
-
-    async def written(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-
 class EmbeddingCache:
-    def __init__(self, store: GuardedStore, *, name: str, backend_identity: str, metrics: CacheMetrics) -> None:
+    def __init__(self, store: GuardedStore, next_stage: EmbeddingStage, *, name: str, backend_identity: str,
+                 metrics: CacheMetrics) -> None:
         self._store = store
+        self._next = next_stage
         self._name = name
         self._backend_identity = backend_identity
         self._metrics = metrics
@@ -58,10 +46,8 @@ class EmbeddingCache:
         self._flights: Flights[Outcome] = Flights()
         self._writes: set[asyncio.Task[None]] = set()
 
-    async def embed(self, prepared: Sequence[Prepared], submit: Submit, *, dimensions: int | None,
-                    priority: Priority, timeout_s: float | None) -> list[Outcome]:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
+    async def embed(self, prepared: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
+                    deadline: Deadline | None) -> list[Outcome]:
         keys = self._keys_of(dimensions)
         request_keys = [keys.key(item.content) for item in prepared]
         inputs = dict(zip(request_keys, prepared))  # one entry per distinct input
@@ -74,7 +60,7 @@ class EmbeddingCache:
             led, also_joined = self._flights.claim(pending, priority)
             joined.update(also_joined)
             if led:
-                found.update(await self._compute(led, inputs, submit, deadline))
+                found.update(await self._compute(led, inputs, dimensions, priority, deadline))
             settled, pending = await self._wait_for(joined, deadline)
             found.update(settled)
             saved += [key for key, outcome in settled.items() if isinstance(outcome, np.ndarray)]
@@ -110,15 +96,15 @@ class EmbeddingCache:
         self._metrics.looked_up(self._name, "hit", len(vectors))
         return vectors
 
-    async def _compute(self, led: list[Flight[Outcome]], inputs: Mapping[str, Prepared], submit: Submit,
-                       deadline: float | None) -> dict[str, Outcome]:
+    async def _compute(self, led: list[Flight[Outcome]], inputs: Mapping[str, Prepared], dimensions: int | None,
+                       priority: Priority, deadline: Deadline | None) -> dict[str, Outcome]:
         self._metrics.looked_up(self._name, "miss", len(led))
-        remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
-        if remaining is not None and remaining <= 0:  # spent waiting for flights that were abandoned
+        if deadline is not None and deadline.remaining() <= 0:  # spent waiting for flights that were abandoned
             outcomes: Sequence[Outcome] = [_timed_out() for _ in led]
         else:
             try:
-                outcomes = await submit([inputs[flight.key] for flight in led], remaining)
+                outcomes = await self._next.embed([inputs[flight.key] for flight in led], dimensions=dimensions,
+                                                  priority=priority, deadline=deadline)
             except BaseException:  # refused, or the request was cancelled: the joiners compute it themselves
                 for flight in led:
                     flight.abandon()
@@ -151,11 +137,11 @@ class EmbeddingCache:
                 flight.land()
 
     async def _wait_for(self, joined: Mapping[str, Flight[Outcome]],
-                        deadline: float | None) -> tuple[dict[str, Outcome], list[str]]:
+                        deadline: Deadline | None) -> tuple[dict[str, Outcome], list[str]]:
         """The outcomes of the joined flights, by key, and the keys whose flight was abandoned."""
         if not joined:
             return {}, []
-        timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+        timeout = None if deadline is None else max(0.0, deadline.remaining())
         await asyncio.wait({flight.outcome for flight in joined.values()}, timeout=timeout)
         settled: dict[str, Outcome] = {}
         abandoned: list[str] = []

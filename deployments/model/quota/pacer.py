@@ -29,6 +29,7 @@ from deployments.model.quota.budget import Account, Claim, Limits, QuotaBudget
 from deployments.model.quota.headers import provider_accounts
 from deployments.model.quota.limiter import Answer, Report, connect
 from deployments.model.quota.metrics import QuotaMetrics
+from deployments.wire import Deadline
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,11 +45,11 @@ _CALL_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("quota_cal
 
 class PacedInput:
     """A prepared input queued for a paced model: ``content`` and ``tokens`` as ``Prepared``, with the priority and
-    deadline (loop time) its batch is claimed with. Equal by content, so equal inputs of a batch are still sent once."""
+    deadline its batch is claimed with. Equal by content, so equal inputs of a batch are still sent once."""
 
     __slots__ = ("content", "tokens", "priority", "deadline")
 
-    def __init__(self, content: Hashable, tokens: int, priority: Priority, deadline: float | None) -> None:
+    def __init__(self, content: Hashable, tokens: int, priority: Priority, deadline: Deadline | None) -> None:
         self.content = content
         self.tokens = tokens
         self.priority = priority
@@ -166,7 +167,7 @@ class QuotaPacer:
         deadlines = [item.deadline for item in inputs]
         # granted only if it is sent in time for its answer to be: the call's own time is kept free
         deadline_wait_s = (None if None in deadlines
-                           else max(deadlines) - asyncio.get_running_loop().time() - self._call_room_s)
+                           else max(deadlines).remaining() - self._call_room_s)
         capped_wait_s = None if self._max_wait_s is None else self._max_wait_s - self._call_room_s
         known = [limit for limit in (deadline_wait_s, capped_wait_s) if limit is not None]
         try:
@@ -195,7 +196,7 @@ class QuotaPacer:
             retry_after_s=wait_s)
         later = UpstreamError(f"the upstream's quota holds this call in {wait_s:.3f}s", status=429, retryable=True,
                               retry_after_s=wait_s)
-        outcomes: list[Exception] = [late if item.deadline is not None and item.deadline < sent_by else later
+        outcomes: list[Exception] = [late if item.deadline is not None and item.deadline.at < sent_by else later
                                      for item in inputs]
         refused = sum(outcome is late for outcome in outcomes)
         if refused:
