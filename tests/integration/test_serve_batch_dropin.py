@@ -1,4 +1,4 @@
-"""The README's ``@serve.batch`` example (docs/examples/serve_batch_dropin.py), deployed by ``serve run`` twice — as
+"""The documented ``@serve.batch`` example (docs/examples/serve_batch_dropin.py), deployed by ``serve run`` twice — as
 written, on ``batching.batch``, and with its import line switched back to ``ray.serve.batch`` — answers the same
 HTTP requests and handle calls, streaming included."""
 

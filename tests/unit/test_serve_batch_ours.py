@@ -309,10 +309,10 @@ async def test_adaptive_batch_reads_batch_options_as_defaults():
     await handle.aclose()
 
 
-def test_the_readmes_switching_example_is_the_file_the_integration_test_deploys():
+def test_the_documented_switching_example_is_the_file_the_integration_test_deploys():
     root = Path(__file__).resolve().parents[2]
     example = (root / "docs" / "examples" / "serve_batch_dropin.py").read_text()
-    assert f"```python\n{example}```" in (root / "README.md").read_text()
+    assert f"```python\n{example}```" in (root / "docs" / "batching.md").read_text()
 
 
 async def test_in_a_replica_that_cannot_fill_a_batch_the_first_call_warns_as_serve_does(caplog):
