@@ -41,6 +41,9 @@ BODY_READ_TIMEOUT_S = 30.0
 # grpc_timeout_header_offset does), at most a tenth of the timeout: a 504 sent at the deadline would reach the
 # client after it.
 DEADLINE_MARGIN_S = 0.25
+# Serve refuses a call once every replica's queue is full (sizing.py's max_queued_requests), and says nothing of
+# when room will come; the model's own refusals carry a Retry-After from its drain rate (batching/admission.py).
+REPLICAS_FULL_RETRY_AFTER_S = 1.0
 
 
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
@@ -174,7 +177,7 @@ class _Routes:
         if isinstance(cause, ServiceError):
             return cause
         if isinstance(cause, BackPressureError):
-            return ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=1.0)
+            return ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=REPLICAS_FULL_RETRY_AFTER_S)
         logger.error("embedding call failed", exc_info=exc)
         return ServiceUnavailable("the model is unavailable; retry later")
 

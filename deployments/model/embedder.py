@@ -32,6 +32,8 @@ from deployments.wire import Deadline, EmbedRequest
 
 logger = logging.getLogger("ray.serve")
 
+UPSTREAM_RETRY_AFTER_S = 1.0  # for an upstream 429 that does not say when to come back
+
 
 Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each input's token count
 
@@ -220,7 +222,7 @@ def _service_error(error: BaseException, index: int, more: str, model: str) -> S
         return ServiceUnavailable(f"model {model!r} is shutting down; retry{more}", index=index)
     if isinstance(error, UpstreamError) and error.status == 429:
         return UpstreamRateLimited(f"{where}: the upstream is rate-limiting this service: {error}{more}", index=index,
-                                   retry_after_s=error.retry_after_s or 1.0)
+                                   retry_after_s=error.retry_after_s or UPSTREAM_RETRY_AFTER_S)
     if isinstance(error, (UpstreamError, ConnectionError, TimeoutError)):
         return UpstreamFailed(f"{where}: the upstream model failed: {error}{more}", index=index)
     logger.error("model %r failed on %s", model, where, exc_info=error)
