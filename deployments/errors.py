@@ -1,8 +1,8 @@
 """The errors a request can end in, in the service's own terms: what went wrong, which input, when to retry.
 
-They carry no HTTP status: ``deployments.ingress.openai_errors`` maps each to OpenAI's error shape in one place. They cross
-Ray's process boundary (an ``EmbeddingModel`` raises, the ingress or another deployment catches), so each one
-pickles from its own fields.
+They carry no HTTP status: ``deployments.ingress.openai_errors`` maps each to OpenAI's error shape in one place.
+They cross Ray's process boundary (an ``EmbeddingModel`` raises, the ingress or another deployment catches), so each
+one pickles from its own fields.
 """
 
 from __future__ import annotations

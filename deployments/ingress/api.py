@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import DEFAULT_MAX_BODY_BYTES
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
-                     PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable, unwrap)
+                                PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
+                                unwrap)
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys
 from deployments.ingress.forwarding import ModelForwarder
@@ -177,7 +178,8 @@ class _Routes:
         if isinstance(cause, ServiceError):
             return cause
         if isinstance(cause, BackPressureError):
-            return ModelOverloaded("the model's replicas are all busy; retry later", retry_after_s=REPLICAS_FULL_RETRY_AFTER_S)
+            return ModelOverloaded("the model's replicas are all busy; retry later",
+                                   retry_after_s=REPLICAS_FULL_RETRY_AFTER_S)
         logger.error("embedding call failed", exc_info=exc)
         return ServiceUnavailable("the model is unavailable; retry later")
 

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from deployments.errors import (AuthenticationFailed, BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound,
-                     ModelOverloaded, PayloadTooLarge, RequestTimedOut, RetryLater, RouteNotFound, ServiceError,
-                     ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
+                                ModelOverloaded, PayloadTooLarge, RequestTimedOut, RetryLater, RouteNotFound,
+                                ServiceError, ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from batching import BatcherClosed, BatcherMetrics, BatcherStats, DeadlineExceed
 from deployments.autoscaling import QUEUE_DEPTH_METRIC
 from deployments.config import ModelConfig
 from deployments.errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
-                     UpstreamFailed, UpstreamRateLimited)
+                                UpstreamFailed, UpstreamRateLimited)
 from deployments.model.backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
 from deployments.model.backends.prompts import UnknownPrompt
 from deployments.model.batched import BatchedBackend

@@ -107,8 +107,8 @@ def test_an_input_the_upstream_refuses_is_a_400_naming_it(simulated_app: Service
 
 
 def test_a_spent_upstream_quota_is_waited_for_not_sent_into(simulated_app: Service, upstream: RunningUpstream) -> None:
-    """The provider's x-ratelimit-* headers say its budget is spent: the next call waits for it (deployments/model/quota/)
-    instead of drawing a 429 (the openai backend's own 429 retry is tested in tests/unit)."""
+    """The provider's x-ratelimit-* headers say its budget is spent: the next call waits for it
+    (deployments/model/quota/) instead of drawing a 429 (the openai backend's own 429 retry is tested in tests/unit)."""
     filler = "word " * 300
     upstream.set_faults(tpm=tokens.count(filler) + 5)  # one call of that size spends the minute's budget
     client = simulated_app.client(PREFIX)

@@ -14,7 +14,8 @@ from batching import Priority
 from deployments.errors import AuthenticationFailed, InvalidRequest
 from deployments.ingress.auth import ApiKeys
 from deployments.ingress.openai_errors import error_body, http_error
-from deployments.ingress.schemas import embedding_response, normalize_input, parse_priority, parse_request, parse_timeout
+from deployments.ingress.schemas import (embedding_response, normalize_input, parse_priority, parse_request,
+                                         parse_timeout)
 from deployments.model import tokens
 
 

@@ -11,7 +11,7 @@ import torch
 from deployments.config import ConfigError, parse_app_config
 from deployments.model.backends import make_backend
 from deployments.model.backends.engines import (CHUNK_TOKENS, CUDA_CHUNK_TOKENS, embed_sequences, length_buckets,
-                                          make_engine, max_call_tokens)
+                                                make_engine, max_call_tokens)
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.torch_engine import TorchEngine, load_embedder
 from deployments.model.backends.wordpieces import BoundedTokenizer

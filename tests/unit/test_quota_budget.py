@@ -1,4 +1,5 @@
-"""The shared quota's arithmetic (deployments/model/quota/budget.py), on a made-up clock: every call is told the time."""
+"""The shared quota's arithmetic (deployments/model/quota/budget.py), on a made-up clock: every call is told the
+time."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared
-from deployments.model.backends.engines import default_threads, embed_call, embed_sequences, engine_calls, make_engine, max_call_tokens
+from deployments.model.backends.engines import (default_threads, embed_call, embed_sequences, engine_calls, make_engine,
+                                                max_call_tokens)
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.prompts import Prompts
 from deployments.model.backends.wordpieces import BoundedTokenizer
