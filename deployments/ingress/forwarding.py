@@ -48,12 +48,11 @@ class ModelForwarder:
 
     def _flush(self) -> None:
         group, self._pending = self._pending, []
-        self._send(group, RESENDS)
+        live = _live(group)
+        if live:
+            self._send(live, RESENDS)
 
     def _send(self, group: list[_Waiter], resends_left: int) -> None:
-        group = [waiter for waiter in group if not waiter[2].done() and _time_left(waiter[1])]
-        if not group:
-            return
         response = self._handle.remote([request._replace(timeout_s=Deadline.seconds_left(deadline))
                                         for request, deadline, _ in group])
         delivery = asyncio.ensure_future(self._deliver(response, group, resends_left))
@@ -91,19 +90,21 @@ class ModelForwarder:
             self._fail_or_resend(group, exc, resends_left)
 
     def _fail_or_resend(self, group: list[_Waiter], exc: BaseException, resends_left: int) -> None:
-        waiting = [waiter for waiter in group if not waiter[2].done()]
         cause = loss_cause(exc)
         if cause is not None and resends_left:
-            again = [waiter for waiter in waiting if _time_left(waiter[1])]
+            again = _live(group)
             if again:
                 if self._on_resend is not None:
                     self._on_resend(cause, len(again))
                 self._send(again, resends_left - 1)
             return  # a request left with no time is answered by the ingress's own deadline
         error = ServiceUnavailable("the model's replica was lost; retry later") if cause is not None else exc
-        for _, _, future in waiting:
-            future.set_exception(error)
+        for _, _, future in group:
+            if not future.done():
+                future.set_exception(error)
 
 
-def _time_left(deadline: Deadline | None) -> bool:
-    return deadline is None or deadline.remaining() > 0
+def _live(group: list[_Waiter]) -> list[_Waiter]:
+    """The requests still waiting for an answer with time left to get one."""
+    return [waiter for waiter in group
+            if not waiter[2].done() and (waiter[1] is None or waiter[1].remaining() > 0)]

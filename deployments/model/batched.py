@@ -33,11 +33,11 @@ class BatchedBackend:
     async def embed(self, prepared: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
                     deadline: Deadline | None) -> list[Outcome]:
         batcher = self._batcher(dimensions)
-        items = list(prepared)
+        items: Sequence[Prepared] = prepared
         if self._pacer is not None:  # its batch's claim needs the priority and deadlines
-            items = [PacedInput(item.content, item.tokens, priority, deadline) for item in items]
-        return list(await batcher.submit_many(items, priority=priority, timeout_s=Deadline.seconds_left(deadline),
-                                              return_exceptions=True))
+            items = [PacedInput(item.content, item.tokens, priority, deadline) for item in prepared]
+        return await batcher.submit_many(items, priority=priority, timeout_s=Deadline.seconds_left(deadline),
+                                         return_exceptions=True)
 
     def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""

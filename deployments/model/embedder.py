@@ -146,8 +146,6 @@ class EmbeddingModel:
         deadline = Deadline.of(timeout_s)  # on arrival: preparing the inputs takes part of it
         if not texts:
             raise InvalidRequest("there is nothing to embed", param="input")
-        if self._closing:
-            raise ServiceUnavailable(f"model {self._model.name!r} is shutting down; retry")
         dimensions = self._output_size(request.dimensions)
         prompt = self._prompt(request)
         prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt))
