@@ -134,23 +134,28 @@ async def test_stall_trigger_waits_while_items_keep_arriving():
     process = FakeProcess()
     config = BatcherConfig(max_batch_size=100, max_wait_ms=25, scale_factor=10, stall_factor=4)
     batcher = AdaptiveBatcher(process, config)
+    start = now()
     tasks = []
     for i in range(12):  # one item every 0.2 ms: the stall window never opens before the time trigger
         tasks.append(asyncio.ensure_future(batcher.submit(i)))
         await asyncio.sleep(0.0002)
     await asyncio.gather(*tasks)
-    assert process.calls[0] == list(range(len(process.calls[0])))
-    assert len(process.calls[0]) > 1
+    assert process.calls == [list(range(12))]  # not cut while arrivals kept coming...
+    assert process.started_at[0] - start > 11 * 0.0002  # ... and it left only after the last one
 
 
 async def test_reconfigure_applies_to_queued_items():
     process = FakeProcess()
-    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=10, max_wait_ms=1000, scale_factor=1))
+    config = BatcherConfig(max_batch_size=10, max_wait_ms=1000, scale_factor=1, **FORMULA_ONLY)
+    batcher = AdaptiveBatcher(process, config)
+    start = now()
     pending = [asyncio.ensure_future(batcher.submit(i)) for i in range(3)]
     await asyncio.sleep(0.001)
-    batcher.reconfigure(max_batch_size=3)
+    batcher.reconfigure(max_batch_size=3)  # the three queued items now fill a batch: it leaves at once, on size
     await asyncio.gather(*pending)
     assert process.calls == [[0, 1, 2]]
+    assert process.started_at[0] - start == pytest.approx(0.001, abs=2e-6)
+    assert batcher.stats().flushes == {"size": 1}
     with pytest.raises(ValueError):
         batcher.reconfigure(max_batch_size=0)
 
