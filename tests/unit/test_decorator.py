@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from batching import BatcherClosed, Priority, adaptive_batch
+from batching import BatcherClosed, DeadlineExceeded, Priority, adaptive_batch
 
 pytestmark = pytest.mark.looptime
 
@@ -39,8 +39,23 @@ async def test_each_instance_has_its_own_batcher():
 
 async def test_callers_can_pass_priority_and_timeout():
     model = Model(scale=3)
-    assert await model.embed(2, priority="low", timeout_s=5) == 6
-    assert await model.embed(2, priority=Priority.HIGH) == 6
+    low = asyncio.ensure_future(model.embed(2, priority="low", timeout_s=5))
+    high = asyncio.ensure_future(model.embed(4, priority=Priority.HIGH))
+    await asyncio.sleep(0)
+    stats = Model.embed.batcher(model).stats()
+    assert (stats.queued_low, stats.queued_high) == (1, 1)  # each queued at the priority its caller passed
+    assert await asyncio.gather(low, high) == [6, 12]
+
+    @adaptive_batch(max_batch_size=8, max_wait_ms=10)
+    async def slow(items: list[int]) -> list[int]:
+        await asyncio.sleep(1.0)
+        return items
+
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(DeadlineExceeded):
+        await slow(1, timeout_s=0.5)  # the caller's deadline ends the call, not the handler's second
+    assert asyncio.get_running_loop().time() - start == pytest.approx(0.5, abs=2e-6)
+    await slow.aclose()
 
 
 async def test_plain_function_gets_one_batcher_per_loop():

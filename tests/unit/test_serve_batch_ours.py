@@ -92,35 +92,22 @@ async def test_refuse_oversized_fails_an_over_budget_call_with_a_runtime_error_a
     await handle.aclose()
 
 
-async def test_a_set_max_batch_size_with_batch_size_fn_changes_the_budget():
+async def test_a_set_max_batch_size_with_batch_size_fn_changes_the_cost_budget_not_the_count():
     seen = []
 
-    @batch(max_batch_size=4, batch_size_fn=len)
-    async def handle(items):
-        seen.append(len(items))
-        return items
+    @batch(max_batch_size=8, batch_size_fn=lambda texts: sum(map(len, texts)))
+    async def handle(texts):
+        seen.append(list(texts))
+        return texts
 
-    await asyncio.gather(*(handle(i) for i in range(4)))
-    handle.set_max_batch_size(2)
-    assert handle._get_max_batch_size() == 2
-    await asyncio.gather(*(handle(i) for i in range(4)))
-    assert seen == [4, 2, 2]
+    texts = ["aaaa", "bbbb", "cc", "dd"]
+    assert await asyncio.gather(*(handle(t) for t in texts)) == texts
+    handle.set_max_batch_size(4)
+    assert handle._get_max_batch_size() == 4
+    assert await asyncio.gather(*(handle(t) for t in texts)) == texts
+    # 8 characters a batch, then 4: a batch of 4 items would be 12 characters
+    assert seen == [["aaaa", "bbbb"], ["cc", "dd"], ["aaaa"], ["bbbb"], ["cc", "dd"]]
     await handle.aclose()
-
-
-async def test_each_instance_has_its_own_batcher():
-    class Model:
-        def __init__(self, scale: int) -> None:
-            self.scale = scale
-
-        @batch(max_batch_size=2)
-        async def handle(self, items):
-            return [i * self.scale for i in items]
-
-    first, second = Model(1), Model(10)
-    assert await asyncio.gather(first.handle(1), second.handle(1), first.handle(2), second.handle(2)) == [1, 10, 2, 20]
-    assert Model.handle.batcher(first) is not Model.handle.batcher(second)
-    await Model.handle.aclose()
 
 
 def test_batch_timeout_s_is_refused_for_a_streaming_handler():
@@ -301,11 +288,17 @@ async def test_adaptive_batch_streams_an_async_generator_handler_per_item():
 async def test_adaptive_batch_reads_batch_options_as_defaults():
     @adaptive_batch(max_batch_size=4, max_wait_ms=1)
     async def handle(items):
+        await asyncio.sleep(1.0)
         return items
 
-    with batch_options(priority=Priority.LOW):
-        assert await handle(1) == 1
-    assert handle.batcher().stats().items == 1
+    with batch_options(priority=Priority.LOW, timeout_s=0.5):
+        call = asyncio.ensure_future(handle(1))  # the task runs in a copy of this context
+    await asyncio.sleep(0)
+    stats = handle.batcher().stats()
+    assert (stats.queued_low, stats.queued_high) == (1, 0)
+    with pytest.raises(DeadlineExceeded):
+        await call  # ended by the block's timeout_s, not by the handler's second
+    assert await handle(2) == 2  # outside the block: no deadline
     await handle.aclose()
 
 
