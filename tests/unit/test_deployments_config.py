@@ -34,8 +34,20 @@ def test_the_shipped_serve_config_parses() -> None:
     assert model.autoscaling["policy"]["policy_function"] == "deployments.autoscaling:QueueDepthPolicy"
 
 
-def test_the_shipped_serve_config_builds_an_application() -> None:
-    assert build_app(serve_config_args()) is not None
+def test_the_shipped_serve_config_builds_the_ingress_over_its_model() -> None:
+    config = parse_app_config(serve_config_args())
+    (model,) = config.models
+    ingress = build_app(serve_config_args())._bound_deployment
+    options = ingress_deployment_options(config)
+    assert (ingress.name, ingress.max_ongoing_requests) == (options["name"], options["max_ongoing_requests"])
+    assert ingress.init_kwargs == {"max_body_bytes": config.ingress.max_body_bytes}
+    (models,) = ingress.init_args
+    assert list(models) == [model.name]
+    bound = models[model.name]._bound_deployment
+    options = model_deployment_options(model)
+    assert (bound.name, bound.max_ongoing_requests) == (options["name"], options["max_ongoing_requests"])
+    assert bound.ray_actor_options == options["ray_actor_options"]
+    assert bound.init_args == (model,)
 
 
 def test_serve_hands_build_app_the_args_which_it_checks_with_the_same_messages() -> None:

@@ -455,12 +455,16 @@ def test_bad_settings_are_refused_at_decoration(batch, settings, error):
         batch(**settings)
 
 
-def test_a_whole_number_float_batch_size_is_accepted(batch):
+async def test_a_whole_number_float_batch_size_is_accepted_and_caps_the_batch(batch):
+    seen = []
+
     @batch(max_batch_size=4.0)
     async def handle(items):
+        seen.append(len(items))
         return items
 
-    assert callable(handle)
+    assert await asyncio.gather(*(handle(i) for i in range(6))) == list(range(6))
+    assert seen == [4, 2]
 
 
 def test_the_decorator_keeps_the_handlers_name_and_wrapped_function(batch):
