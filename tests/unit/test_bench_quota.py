@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from load.bench.__main__ import build_parser
+from load.bench.options import chosen_settings
 from load.bench.quota import QUICK, Settings, _since_reset, render, summarise
 from load.upstream import UpstreamConfig
 
@@ -39,5 +43,9 @@ def test_each_target_is_judged_from_the_runs() -> None:
     assert "| HIGH P99 during the job / alone | 1.40× | ≤ 1.5× | met |" in render(data)
 
 
-def test_the_quick_run_is_small() -> None:
-    assert QUICK.documents < Settings().documents and QUICK.baseline_s < Settings().baseline_s
+def test_quick_runs_the_quick_settings_and_a_given_option_still_wins() -> None:
+    parser = build_parser()
+    assert chosen_settings(parser.parse_args(["quota"]), Settings(), QUICK) == Settings()
+    assert chosen_settings(parser.parse_args(["quota", "--quick"]), Settings(), QUICK) == QUICK
+    given = parser.parse_args(["quota", "--quick", "--documents", "50"])
+    assert chosen_settings(given, Settings(), QUICK) == dataclasses.replace(QUICK, documents=50)
