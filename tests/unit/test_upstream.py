@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from load.hashvec import hash_embedding, matches
-from load.upstream import RunningUpstream, UpstreamConfig, parse_args, run_upstream
+from load.upstream import RunningUpstream, UpstreamConfig, create_app, parse_args, run_upstream
 
 DIM = 32
 FAST = UpstreamConfig(dim=DIM, base_latency_ms=1, per_token_ms=0, jitter=0)
@@ -259,24 +260,44 @@ def test_down_for_s_answers_503_then_recovers() -> None:
         assert upstream.stats()["unavailable_503"] >= 1
 
 
-def test_slow_marker_adds_slow_ms_to_its_call() -> None:
-    with run_upstream(fast(slow_marker="SLOW", slow_ms=300)) as upstream:
-        started = time.perf_counter()
-        response = embed(upstream, input=["quick", "SLOW one"])
+@contextlib.asynccontextmanager
+async def in_process(config: UpstreamConfig) -> AsyncIterator[httpx.AsyncClient]:
+    """The simulated upstream's app on this test's loop (looptime's clock: its latencies are loop sleeps)."""
+    transport = httpx.ASGITransport(app=create_app(config))
+    async with httpx.AsyncClient(transport=transport, base_url="http://upstream") as client:
+        yield client
 
-        assert response.status_code == 200
-        assert time.perf_counter() - started >= 0.3
+
+async def embed_in_process(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
+    return await client.post("/v1/embeddings", json={"model": "sim-embed", **body})
 
 
-def test_calls_beyond_max_concurrency_wait_for_a_slot() -> None:
-    with run_upstream(fast(base_latency_ms=100, max_concurrency=1)) as upstream:
-        started = time.perf_counter()
-        with ThreadPoolExecutor(3) as pool:
-            statuses = list(pool.map(lambda i: embed(upstream, input=f"text {i}").status_code, range(3)))
+@pytest.mark.looptime
+async def test_slow_marker_adds_slow_ms_to_its_call() -> None:
+    async with in_process(fast(slow_marker="SLOW", slow_ms=300)) as client:
+        loop = asyncio.get_running_loop()
+        for texts, took_s in ((["quick"], 0.001), (["quick", "SLOW one"], 0.301), (["quick"], 0.001)):
+            started = loop.time()
+            response = await embed_in_process(client, input=texts)
+            assert response.status_code == 200
+            assert loop.time() - started == pytest.approx(took_s, abs=1e-6)
 
-        assert statuses == [200, 200, 200]
-        assert time.perf_counter() - started >= 0.3
-        assert upstream.stats()["max_concurrent_seen"] >= 1
+
+@pytest.mark.looptime
+async def test_calls_beyond_max_concurrency_wait_for_a_slot() -> None:
+    async with in_process(fast(base_latency_ms=100, max_concurrency=1)) as client:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def call(i: int) -> tuple[int, float]:
+            response = await embed_in_process(client, input=f"text {i}")
+            return response.status_code, loop.time() - started
+
+        answers = await asyncio.gather(*(call(i) for i in range(3)))
+
+        assert answers == [(200, pytest.approx(0.1)), (200, pytest.approx(0.2)), (200, pytest.approx(0.3))]
+        stats = (await client.get("/stats")).json()
+        assert stats["max_concurrent_seen"] == 3  # it counts the two callers waiting for the slot too
 
 
 def test_stats_count_calls_items_and_tokens_billed_and_reset() -> None:
@@ -309,10 +330,18 @@ def test_api_key_is_required_when_configured() -> None:
 
 
 def test_cli_has_a_flag_for_every_config_field() -> None:
-    args, config = parse_args(["--port", "9000", "--rpm", "600", "--tpm", "none", "--fail-marker", "X", "--dim", "8"])
+    wanted = UpstreamConfig(dim=8, base_latency_ms=5.5, per_token_ms=0.5, jitter=0.1, max_concurrency=3, rpm=600,
+                            tpm=1000, error_rate=0.25, max_input_tokens=100, fail_marker="X", slow_marker="S",
+                            slow_rate=0.5, slow_ms=20.0, api_key="k", seed=7)
+    config_fields = dataclasses.fields(UpstreamConfig)
+    assert all(getattr(wanted, f.name) != f.default for f in config_fields)  # every field set away from its default
+    argv = [part for f in config_fields for part in (f"--{f.name.replace('_', '-')}", str(getattr(wanted, f.name)))]
+
+    args, config = parse_args(["--port", "9000", *argv])
 
     assert args.port == 9000 and args.host == "127.0.0.1"
-    assert config == UpstreamConfig(rpm=600, tpm=None, fail_marker="X", dim=8)
+    assert config == wanted
+    assert parse_args(["--rpm", "none", "--tpm", "None"])[1] == UpstreamConfig(rpm=None, tpm=None)
 
 
 @pytest.mark.parametrize(
