@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("ray.serve")
@@ -57,10 +56,11 @@ class ModelHealth:
         self._lock = asyncio.Lock()
 
     async def __call__(self) -> dict[str, str]:
+        loop = asyncio.get_running_loop()  # the loop's clock (monotonic), which a test can control
         async with self._lock:
-            if time.monotonic() - self._asked_at >= self._ttl_s:
+            if loop.time() - self._asked_at >= self._ttl_s:
                 self._answer = await self._ask()
-                self._asked_at = time.monotonic()
+                self._asked_at = loop.time()
             return dict(self._answer)
 
     async def _ask(self) -> dict[str, str]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from deployments.ingress.api import create_api
 from deployments.ingress.model_health import ModelHealth, reason, unavailable_models
@@ -55,29 +56,44 @@ def test_a_long_reason_is_cut() -> None:
     assert len(text) == 500 and text.startswith("Boom: ValueError: xxx") and text.endswith("...")
 
 
+@pytest.mark.looptime
 async def test_serve_is_asked_at_most_once_per_ttl_and_a_failure_reads_as_available() -> None:
-    calls = []
+    calls = 0
 
     def status():
-        calls.append(time.monotonic())
-        if len(calls) == 2:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
             raise RuntimeError("controller unreachable")
         return serve_status(**{"embed-a": deployment("UNHEALTHY", "Boom.")})
 
     health = ModelHealth("embeddings", DEPLOYMENTS, status=status, ttl_s=0.2)
     answers = await asyncio.gather(*(health() for _ in range(5)))
-    assert answers == [{"a": "Boom."}] * 5 and len(calls) == 1
+    assert answers == [{"a": "Boom."}] * 5 and calls == 1
+    await asyncio.sleep(0.15)
+    assert await health() == {"a": "Boom."} and calls == 1  # within the TTL: the answer kept
+    await asyncio.sleep(0.1)
+    assert await health() == {} and calls == 2
     await asyncio.sleep(0.25)
-    assert await health() == {} and len(calls) == 2
-    await asyncio.sleep(0.25)
-    assert await health() == {"a": "Boom."} and len(calls) == 3
+    assert await health() == {"a": "Boom."} and calls == 3
 
 
+@pytest.mark.looptime
 async def test_a_status_call_that_hangs_is_given_up() -> None:
-    health = ModelHealth("embeddings", DEPLOYMENTS, status=lambda: time.sleep(1.0), timeout_s=0.05)
-    started = time.monotonic()
-    assert await health() == {}
-    assert time.monotonic() - started < 0.5
+    release = threading.Event()
+    returned = threading.Event()
+
+    def hangs():
+        release.wait(5.0)  # bounded: if the call were not given up, the test fails instead of hanging
+        returned.set()
+        return serve_status(**{"embed-a": deployment("UNHEALTHY", "Boom.")})
+
+    health = ModelHealth("embeddings", DEPLOYMENTS, status=hangs, timeout_s=0.05)
+    try:
+        assert await health() == {}
+        assert not returned.is_set()  # answered while the status call still hung
+    finally:
+        release.set()
 
 
 async def healthz(unavailable) -> httpx.Response:
