@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from ray.serve import autoscaling_policy
 from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
@@ -98,13 +101,20 @@ def test_serve_resolves_the_configured_class_with_its_kwargs() -> None:
     assert policy.target == 64
 
 
-def test_serve_delays_an_upscale_until_upscale_delay_passed() -> None:
-    """Ray's own smoothing wraps the policy: an upscale waits out upscale_delay_s, measured on the wall clock."""
+def test_serve_delays_an_upscale_until_upscale_delay_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's own smoothing wraps the policy: an upscale waits out upscale_delay_s, measured on the wall clock (here
+    a made-up one: Ray's module reads time.time())."""
+    now = [1_000.0]
+    monkeypatch.setattr(autoscaling_policy, "time", SimpleNamespace(time=lambda: now[0]))
     wrapped = _apply_autoscaling_config(QueueDepthPolicy(target_queue_depth_per_replica=64))
     replicas, state = wrapped(context([300.0], upscale_delay_s=30.0))
     assert replicas == 1  # wants 4, not yet
-    replicas, _ = wrapped(context([300.0], upscale_delay_s=0.0, policy_state=state))
-    assert replicas == 4
+    now[0] += 29.0
+    replicas, state = wrapped(context([300.0], upscale_delay_s=30.0, policy_state=state))
+    assert replicas == 1  # still wants 4, still not yet
+    now[0] += 1.0
+    replicas, _ = wrapped(context([300.0], upscale_delay_s=30.0, policy_state=state))
+    assert replicas == 4  # the delay has passed, counted from the first call that wanted more
 
 
 def test_serve_upscaling_factor_damps_the_step() -> None:
