@@ -189,6 +189,8 @@ class Sampler:
         self.peak_rss_kib = self.rss_before_kib
         self.max_queue_depth = 0
         self.max_delayed = 0
+        self.samples = 0  # samples taken; a missed one is not a finding, but figures() refuses a run with none
+        self.missed: list[str] = []
 
     def __enter__(self) -> "Sampler":
         self._thread.start()
@@ -205,12 +207,17 @@ class Sampler:
                 self.max_queue_depth = max(self.max_queue_depth, sum(s.queue_depth for s in snapshots))
                 self.max_delayed = max(self.max_delayed, sum(s.delayed for s in snapshots))
                 self.peak_rss_kib = max([self.peak_rss_kib] + [cluster.memory_kib(pid)["VmRSS"] for pid in self._pids])
-            except Exception:  # a sample missed under load, or a replica gone, is not a finding
-                pass
+                self.samples += 1
+            except Exception as exc:  # a sample missed under load, or a replica gone, is not a finding by itself
+                self.missed.append(f"{type(exc).__name__}: {exc}"[:200])
             self._stop.wait(self._interval_s)
 
     def figures(self) -> dict[str, Any]:
+        """The peaks; ``AssertionError`` if no sample was taken (peaks of 0 and an untouched memory figure would
+        pass every bound on them)."""
+        assert self.samples > 0, f"the sampler took no sample ({len(self.missed)} missed): {self.missed[-3:]}"
         return {"max_queue_depth_seen": self.max_queue_depth, "max_delayed_seen": self.max_delayed,
+                "samples": self.samples, "samples_missed": len(self.missed),
                 "rss_mib": {"before": round(self.rss_before_kib / 1024, 1),
                             "peak": round(self.peak_rss_kib / 1024, 1)}}
 

@@ -74,7 +74,7 @@ async def _until_settled_or_queued(target: Target, requests: list[asyncio.Task],
     raise AssertionError(f"queue depth {depth}, {answered} answered")
 
 
-def test_five_times_capacity_is_refused_early_and_latency_recovers(target: Target, scale: Scale) -> None:
+def test_five_times_capacity_is_refused_early_within_the_queue_and_memory_bounds(target: Target, scale: Scale) -> None:
     result = overload(target, scale)
     extra = result.extra
     unexpected = [(o.status, o.message[:160]) for o in result.outcomes if o.kind in ("unclear", "lost", "misrouted")]
@@ -83,7 +83,7 @@ def test_five_times_capacity_is_refused_early_and_latency_recovers(target: Targe
     refused, offered = extra["refused_429"], extra["offered"]
     assert refused["low"] > 0, extra  # and every 429 carried Retry-After (else it would be unclear)
     assert refused["low"] / offered["low"] > refused["high"] / offered["high"], extra
-    assert extra["max_queue_depth_seen"] <= MAX_QUEUE_DEPTH, extra
+    assert 0 < extra["max_queue_depth_seen"] <= MAX_QUEUE_DEPTH, extra  # five times capacity does queue
     assert extra["rss_mib"]["peak"] - extra["rss_mib"]["before"] < 100, extra
     assert result.billed <= result.sent_clean
     # How fast latency recovers after the overload is measured at full scale (docs/reliability.md), not asserted here:

@@ -17,6 +17,7 @@ from deployments.config import parse_app_config
 from deployments.errors import AuthenticationFailed
 from deployments.ingress import auth
 from deployments.ingress.auth import ApiKeys
+from deployments.model.backends import ItemRejected
 from deployments.model.backends.openai_api import OpenAIBackend
 from deployments.secrets import SecretFileError, read_secret
 from load.upstream import parse_args as upstream_args
@@ -98,7 +99,7 @@ async def test_upstream_errors_never_carry_the_upstream_key(monkeypatch: pytest.
     for text in ("auth", "crash"):
         (outcome,) = await backend.embed([text])
         messages.append(str(outcome))
-    with pytest.raises(Exception) as rejected:
+    with pytest.raises(ItemRejected, match="the upstream refused the input") as rejected:
         await backend.embed(["rejected"])
     messages.append(str(rejected.value))
     await backend.aclose()
