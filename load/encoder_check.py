@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server("encoder-check", serve_run(config, "encoder_check"), {}, health="/healthz",
                     stop_signal=signal.SIGINT, model=first)
     rows: list[dict[str, Any]] = []
-    with running(server, args.work_dir, Path()) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with running(server, args.work_dir, Path()) as started, httpx.Client(base_url=started.url, timeout=120) as client:
         for spec in TINY_ENCODERS:
             for engine in ENGINES:
                 rows += check_model(client, spec, engine, references[spec.name])

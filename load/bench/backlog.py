@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return asyncio.run(measure(args.url, settings, cases, getattr(args, "results_dir", None), headers))
     from load.peers.launch import DEFAULT_PEERS_DIR, running
 
-    with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as url:
-        return asyncio.run(measure(url, settings, cases, getattr(args, "results_dir", None), headers))
+    with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as started:
+        return asyncio.run(measure(started.url, settings, cases, getattr(args, "results_dir", None), headers))
 
 
 async def measure(url: str, settings: Settings, cases: Sequence[str], results_dir: Path | None = None,

@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
     upstream = upstream_config_from(args)
     with upstream_process(upstream) as root_url, \
-            running(gateway(f"{root_url}/v1"), DEFAULT_PEERS_DIR, packaged_model_path()) as url:
-        return measure(url, root_url, upstream, settings, getattr(args, "results_dir", None))
+            running(gateway(f"{root_url}/v1"), DEFAULT_PEERS_DIR, packaged_model_path()) as started:
+        return measure(started.url, root_url, upstream, settings, getattr(args, "results_dir", None))
 
 
 def applications(base_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:

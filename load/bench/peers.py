@@ -20,16 +20,18 @@ import base64
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from load.loadgen import closed_loop
 from load.peers.launch import DEFAULT_PEERS_DIR, PEERS, Server, running
+from load.proc_cpu import CpuMeter
 from load.stats import median
 from load.upstream_client import UpstreamClient, UpstreamError
 from load.workload import pseudo_sentences
 
+from . import engine_limit
 from .harness import code_version, rotated, version_line
 from .options import chosen_settings
 from .report import markdown_table, write_report
@@ -58,24 +60,28 @@ class Settings:
     probes: int = 8
     repeats: int = 1
     mean_chars: int = 120
+    engine_texts: int = 1536  # texts the engine alone embeds in each arrangement
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.probes < 2 or any(level.requests < 1 for level in self.levels):
             raise ValueError("repeats and every level's requests must be >= 1, probes >= 2")
 
 
-QUICK = Settings(levels=(Level(1, 8), Level(16, 32), Level(64, 64), Level(4, 4, 64)), warmup_requests=8, probes=4)
+QUICK = Settings(levels=(Level(1, 8), Level(16, 32), Level(64, 64), Level(4, 4, 64)), warmup_requests=8, probes=4,
+                 engine_texts=64)
 
 
 @dataclass(frozen=True)
 class Target:
-    """A running server: its base URL, its embeddings route, the encoding to ask for, extra headers (a key)."""
+    """A running server: its base URL, its embeddings route, the encoding to ask for, extra headers (a key), and its
+    processes (None: their CPU is not measured)."""
 
     name: str
     url: str
     route: str = "/v1/embeddings"
     encoding: str = "base64"
     headers: Mapping[str, str] = field(default_factory=dict)
+    pids: Callable[[], list[int]] | None = None
 
 
 class TargetClient(UpstreamClient):
@@ -119,13 +125,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       "route": s.route} for s in servers}
     reference = reference_vectors(model, probe_texts(settings))
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+    limits = []
     for repeat in range(settings.repeats):
+        print(f"[{repeat + 1}/{settings.repeats}] the engine alone ...", flush=True)
+        limits.append(engine_limit.measure(pseudo_sentences(settings.engine_texts, settings.mean_chars, seed=3)))
         for server in rotated(servers, repeat):
             print(f"[{repeat + 1}/{settings.repeats}] {server.name} ...", flush=True)
-            with running(server, args.peers_dir, model) as url:
-                target = Target(server.name, url, server.route, server.encoding)
+            with running(server, args.peers_dir, model) as started:
+                target = Target(server.name, started.url, server.route, server.encoding, pids=started.pids)
                 runs[server.name] += measure([target], settings, reference)[server.name]
-    return report(runs, about, settings, getattr(args, "results_dir", None))
+    return report(runs, about, settings, getattr(args, "results_dir", None), limits)
 
 
 def probe_texts(settings: Settings) -> list[str]:
@@ -165,13 +174,19 @@ async def _measure_one(target: Target, settings: Settings, probes: list[str],
         vectors = np.stack(await client.embed(probes))
         cosines = np.sum(vectors * reference, axis=1) / np.linalg.norm(vectors, axis=1)
         levels = {}
+        meter = CpuMeter(target.pids) if target.pids is not None else None
         for level in settings.levels:
             batches = {chunk[0]: chunk for chunk in (take(level.texts) for _ in range(level.requests))}
+            cpu_before = meter.start() if meter is not None else {}
             result = await closed_loop(lambda first: client.embed(batches[first]), list(batches), level.concurrency)
+            cpu_s = meter.stop(cpu_before) if meter is not None else {}
             summary = result.summary()
+            texts_done = max(1, result.completed * level.texts)
             levels[level.name] = {"texts_per_s": result.throughput * level.texts, "requests_per_s": result.throughput,
                                   **{key: summary[key] for key in ("p50_ms", "p99_ms", "errors", "error_sample",
-                                                                   "completed", "elapsed_s")}}
+                                                                   "completed", "elapsed_s")},
+                                  "cpu_ms_per_text": {**{group: 1e3 * s / texts_done for group, s in cpu_s.items()},
+                                                      "load generator": 1e3 * result.cpu_s / texts_done}}
     return {"levels": levels, "min_cosine": float(cosines.min()), "cosines": cosines.tolist(),
             "warmup_errors": warmup.errors, "encoding": target.encoding}
 
@@ -183,12 +198,24 @@ def service_about() -> dict[str, Any]:
 
 
 def report(runs: Mapping[str, list[dict[str, Any]]], about: Mapping[str, dict[str, Any]], settings: Settings,
-           results_dir: Path | None = None) -> dict[str, Any]:
-    """Write ``peers.md`` and ``peers.json`` (medians over the repeats) and return the JSON's data."""
+           results_dir: Path | None = None, limits: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Write ``peers.md`` and ``peers.json`` (medians over the repeats) and return the JSON's data; ``limits``: the
+    engine alone (``engine_limit.measure``), once a repeat."""
     rows = {name: summarise(records) for name, records in runs.items()}
-    data = {"code": code_version(), "settings": asdict(settings), "servers": about, "rows": rows, "runs": runs}
+    engine = summarise_limits(limits) if limits else None
+    data = {"code": code_version(), "settings": asdict(settings), "servers": about, "rows": rows, "runs": runs,
+            "engine_alone": engine}
     return write_report("peers", "This service beside peer embedding servers",
-                        render(settings, about, rows, data["code"]), data, results_dir)
+                        render(settings, about, rows, data["code"], engine), data, results_dir)
+
+
+def summarise_limits(limits: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The engine alone over the repeats: each arrangement's median texts/s and CPU a text, and the best median."""
+    names = list(limits[0]["arrangements"])
+    arrangements = {name: {key: median([limit["arrangements"][name][key] for limit in limits])
+                           for key in ("texts_per_s", "cpu_ms_per_text")} for name in names}
+    return {"cores": limits[0]["cores"], "arrangements": arrangements,
+            "best_texts_per_s": max(row["texts_per_s"] for row in arrangements.values()), "runs": list(limits)}
 
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -201,13 +228,17 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                         "p50_ms": median([cell["p50_ms"] for cell in cells]),
                         "p99_ms": median([cell["p99_ms"] for cell in cells]),
                         "errors": sum(cell["errors"] for cell in cells)}
+    for name, level in levels.items():
+        cpu = [record["levels"][name].get("cpu_ms_per_text", {}) for record in records]
+        groups = dict.fromkeys(group for per_group in cpu for group in per_group)
+        level["cpu_ms_per_text"] = {group: median([per_group.get(group, 0.0) for per_group in cpu]) for group in groups}
     return {"levels": levels, "min_cosine": min(record["min_cosine"] for record in records),
             "cosines": [min(values) for values in zip(*(record["cosines"] for record in records))],
             "errors": sum(level["errors"] for level in levels.values()), "repeats": len(records)}
 
 
 def render(settings: Settings, about: Mapping[str, dict[str, Any]], rows: Mapping[str, dict[str, Any]],
-           code: dict[str, Any]) -> str:
+           code: dict[str, Any], engine: dict[str, Any] | None = None) -> str:
     def cell(level: dict[str, Any], p99: bool = True) -> str:
         rate, (low, high) = level["texts_per_s"], level["texts_per_s_range"]
         spread = f" [{low:,.0f}–{high:,.0f}]" if high > low else ""
@@ -231,6 +262,8 @@ def render(settings: Settings, about: Mapping[str, dict[str, Any]], rows: Mappin
            if row["min_cosine"] < 0.999]
     probes = (f"Cosines per probe where one is below 0.999 (the last probe is longer than the model's 256-token "
               f"window, where sentence-transformers truncates): {'; '.join(low)}.") if low else ""
+    limit = render_limit(engine, rows, names) if engine else ""
+    cpu = render_cpu(rows, names)
     load = "; ".join(f"{level.name}: {level.requests:,} requests of {level.texts} text(s) from {level.concurrency} "
                      "caller(s)" for level in settings.levels)
     return f"""\
@@ -245,10 +278,58 @@ lowest cosine of a server's vector to sentence-transformers' (torch) computed in
 
 {table}
 
+{limit}
+
+{cpu}
+
 {probes}
 
 {servers}
 """
+
+
+def render_limit(engine: dict[str, Any], rows: Mapping[str, dict[str, Any]], names: Sequence[str]) -> str:
+    """The engine alone, each arrangement, and each server's texts/s as a fraction of its best."""
+    best = engine["best_texts_per_s"]
+    arrangements = markdown_table(
+        ["the engine alone, " + f"{engine['cores']} cores", "texts/s", "CPU ms a text"],
+        [[name, f"{row['texts_per_s']:,.0f}", f"{row['cpu_ms_per_text']:.2f}"]
+         for name, row in engine["arrangements"].items()])
+    fractions = markdown_table(
+        ["server", *(f"{name} / engine alone" for name in names)],
+        [[server, *(f"{row['levels'][name]['texts_per_s'] / best:.2f}" for name in names)]
+         for server, row in rows.items()])
+    return f"""\
+The model's engine alone on every core (``load/bench/engine_limit.py``: the same kind of texts, tokenized ahead, in
+the service's engine calls), measured in each repeat (medians); its best arrangement is the limit a server reaches.
+
+{arrangements}
+
+{fractions}"""
+
+
+def render_cpu(rows: Mapping[str, dict[str, Any]], names: Sequence[str]) -> str:
+    """Each server's CPU a text by process group, at each level (medians over the repeats)."""
+    lines = []
+    for server, row in rows.items():
+        groups = dict.fromkeys(group for name in names for group, ms in row["levels"][name]["cpu_ms_per_text"].items()
+                               if ms >= 0.01)  # Ray's idle daemons apart
+        if len(groups) <= 1:  # the load generator's alone: the server's processes were not measured
+            continue
+        lines.append(markdown_table(
+            [f"{server}: CPU ms a text", *names],
+            [[group, *(f"{row['levels'][name]['cpu_ms_per_text'].get(group, 0.0):.2f}" for name in names)]
+             for group in groups]
+            + [["all of the server's", *(f"{_server_cpu(row['levels'][name]):.2f}" for name in names)]]))
+    if not lines:
+        return ""
+    return ("Where the CPU goes: each process's CPU time over a level (from /proc), by what the process is, "
+            "divided by the texts served; the load generator is the benchmark's own process.\n\n"
+            + "\n\n".join(lines))
+
+
+def _server_cpu(level: dict[str, Any]) -> float:
+    return sum(ms for group, ms in level["cpu_ms_per_text"].items() if group != "load generator")
 
 
 def _ms(value: float | None) -> str:

@@ -104,9 +104,17 @@ class Server:
         return versions(self.bin_dir(peers_dir) / "python", self.venv.key_packages if self.venv else self.key_packages)
 
 
+@dataclass(frozen=True)
+class Started:
+    """A server that is up: its base URL, and its processes (Ray's daemons and workers, for the service)."""
+
+    url: str
+    pids: Callable[[], list[int]]
+
+
 @contextmanager
-def running(server: Server, peers_dir: Path, model_path: Path, startup_timeout_s: float = 300.0) -> Iterator[str]:
-    """Start ``server`` (its log in ``peers_dir/<name>.log``), yield its base URL once ready, stop it on exit."""
+def running(server: Server, peers_dir: Path, model_path: Path, startup_timeout_s: float = 300.0) -> Iterator[Started]:
+    """Start ``server`` (its log in ``peers_dir/<name>.log``), yield it once ready, stop it on exit."""
     port = free_port()
     launch = server.launch(server.bin_dir(peers_dir), port, model_path)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
@@ -120,7 +128,7 @@ def running(server: Server, peers_dir: Path, model_path: Path, startup_timeout_s
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_ready(server, process, url, log_path, startup_timeout_s)
-            yield url
+            yield Started(url, lambda: _session_processes(process.pid, launch.env.get("RAY_TMPDIR")))
         finally:
             stop(process, server.stop_signal, launch.env.get("RAY_TMPDIR"))
 
