@@ -181,8 +181,17 @@ def test_threads_default_to_the_cpus_ray_reserved_within_the_cores(monkeypatch, 
 def test_the_engines_compute_on_the_backends_threads(onnx_backend, torch_backend) -> None:
     import torch
 
-    assert onnx_backend.engine._session.get_session_options().intra_op_num_threads == onnx_backend.threads
+    def threads(engine) -> int:
+        return engine._session.get_session_options().intra_op_num_threads
+
+    pool = onnx_backend.pool
+    assert [threads(engine) for engine in pool.slot_engines] == [1] * onnx_backend.threads  # one engine a core
+    if onnx_backend.threads > 1:
+        assert threads(pool.wide_engine) == onnx_backend.threads  # and one on all of them, for a call alone
+    else:
+        assert pool.wide_engine is None
     assert torch.get_num_threads() == torch_backend.threads
+    assert len(torch_backend.pool.engines) == 1  # torch's threads are the process's: one engine on all of them
 
 
 @pytest.mark.parametrize(("entry", "problem"), [

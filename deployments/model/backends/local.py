@@ -8,17 +8,17 @@ the cache keys them apart. ``embed`` pads those ids into batches for the engine 
 ``engines.py``; on device ``cuda``, torch, in larger calls); a Matryoshka size is the first values of the model's
 vector, normalised again if the model normalises.
 
-Two worker threads, so the replica's event loop never computes: one tokenizes (so a request is counted at once,
-never behind a running batch), one runs the model. The model's thread, and the engine threads it starts, run at
-the lowest CPU priority (nice 19): on a machine the model keeps busy, the cheap work that moves requests (HAProxy,
-the ingress, this replica's event loop) then gets a core the moment it needs one, instead of queueing behind a
-batch; when nothing else wants the CPU the model still gets all of it. Token-id input (cl100k_base, what LangChain's
-``OpenAIEmbeddings`` sends) is decoded to text offline and prepared as that text.
+The replica's event loop never computes: a thread of its own tokenizes (so a request is counted at once, never
+behind a running batch), and the model runs on an ``EnginePool`` over the CPUs the replica reserved
+(``engine_pool.py``): the onnx engine once per core, calls side by side, and a lone call on every core; torch, whose
+threads are the process's, as one engine. Token-id input (cl100k_base, what LangChain's ``OpenAIEmbeddings`` sends)
+is decoded to text offline and prepared as that text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,12 +28,12 @@ import numpy as np
 
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared
-from deployments.model.backends.engines import (default_threads, embed_call, embed_sequences, engine_calls, make_engine,
-                                                max_call_tokens)
+from deployments.model.backends.engine_pool import EnginePool
+from deployments.model.backends.engines import (Engine, default_threads, embed_call, embed_sequences, engine_calls,
+                                                make_engine, max_call_tokens)
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.prompts import Prompts
 from deployments.model.backends.wordpieces import BoundedTokenizer
-from deployments.model.cpu_priority import lowest_cpu_priority
 
 T = TypeVar("T")
 
@@ -76,15 +76,24 @@ class LocalBackend(EmbeddingBackend):
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
         self.max_call_tokens = max_call_tokens(device)
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-embed",
-                                                initializer=lowest_cpu_priority)
-        # Built on the model's thread, so the engine's own threads inherit its priority.
-        self.engine = self._model_thread.submit(
-            make_engine, engine, self.model, threads=self.threads, device=device, precision=precision,
-            onnx_cache_dir=onnx_cache_dir, onnx_optimize=onnx_optimize).result()
+
+        def build(threads: int) -> Engine:
+            return make_engine(engine, self.model, threads=threads, device=device, precision=precision,
+                               onnx_cache_dir=onnx_cache_dir, onnx_optimize=onnx_optimize)
+
+        # ONNX Runtime's sessions each keep their own threads: one a core, and a wide one for a call alone. Torch's
+        # threads are the process's: one engine on all of them.
+        self.pool = (EnginePool(build, self.threads, wide=True) if engine == "onnx"
+                     else EnginePool(build, 1, slot_threads=self.threads))
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-tokenize")
         if warm_up:
-            self._model_thread.submit(self._embed_now, self.wordpieces.encode_many(["warm up"])).result()
+            warm = self.wordpieces.encode_many(["warm up"])
+            self.pool.run_on_each(lambda engine: self._embed_now(engine, warm))
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of one slot: what one core computes (the model-alone benchmarks time it)."""
+        return self.pool.slot_engines[0]
 
     @property
     def dimension(self) -> int:
@@ -118,13 +127,13 @@ class LocalBackend(EmbeddingBackend):
         sequences = [content for content in contents if isinstance(content, tuple)]
         if not sequences:
             return outcomes  # type: ignore[return-value]
-        vectors = await self._embed_call_by_call(sequences)
+        vectors = await self._embed_in_calls(sequences)
         if dimensions is not None and dimensions != self.model.dimension:
             vectors = self._shortened(vectors, dimensions)
         return _fill(outcomes, vectors)
 
     async def aclose(self) -> None:
-        self._model_thread.shutdown(wait=False)
+        self.pool.shutdown()
         self._tokenizer_thread.shutdown(wait=False)
 
     def _prepare_now(self, items: Sequence[Item], prompt: str) -> list[Prepared | BaseException]:
@@ -139,21 +148,21 @@ class LocalBackend(EmbeddingBackend):
         special = self.wordpieces.special_tokens
         return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
 
-    async def _embed_call_by_call(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """The vectors, one engine call at a time on the model's thread, each sent once the one before returned: the
-        calls of batches in flight together take turns there, so a HIGH batch sent beside a LOW one (a LOW batch
-        never holds the last slot) waits for one call of it, not for the whole LOW batch."""
-        loop = asyncio.get_running_loop()
+    async def _embed_in_calls(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The vectors, in engine calls of like-length inputs that the pool runs side by side and takes in turns
+        with the calls of other batches in flight (``EnginePool.run``)."""
+        pad_id, left = self.wordpieces.pad_id, self.model.left_padding
+        calls = engine_calls(sequences, self.max_call_tokens)
+        computed = await self.pool.run([functools.partial(embed_call, sequences=sequences, call=call, pad_id=pad_id,
+                                                          left_padding=left) for call in calls])
         vectors: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
-        for call in engine_calls(sequences, self.max_call_tokens):
-            computed = await loop.run_in_executor(self._model_thread, embed_call, self.engine, sequences, call,
-                                                  self.wordpieces.pad_id, self.model.left_padding)
-            for i, vector in zip(call, computed.astype(np.float32, copy=False)):
+        for call, rows in zip(calls, computed):
+            for i, vector in zip(call, rows.astype(np.float32, copy=False)):
                 vectors[i] = vector
         return vectors
 
-    def _embed_now(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        return list(embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
+    def _embed_now(self, engine: Engine, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        return list(embed_sequences(engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
                                     self.max_call_tokens))
 
     def _shortened(self, vectors: Sequence[np.ndarray], dimensions: int) -> list[np.ndarray]:

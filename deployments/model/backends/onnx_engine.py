@@ -45,6 +45,9 @@ class OnnxEngine:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Its threads spin between the operators of a call (a hand-over without a wake-up) but not after the call:
+        # spinning idle, they would take the cores from the next call, on this engine or another.
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         self._session = ort.InferenceSession(str(self.model_file), options, providers=_CPU)
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
