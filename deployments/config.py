@@ -209,8 +209,8 @@ class ModelConfig(_Section):
         _gpu_share, "be a number > 0 and <= 1 (a share of one GPU) or a whole number >= 1", quoted=True)] = None
     engine: Annotated[str, _one_of(ENGINES)] = "onnx"  # local only: onnx | torch (on device cuda: torch)
     # local only
-    threads: Annotated[int | None, _rule(lambda v: _is_int(v) and v >= 1, "be an integer >= 1 (the model's intra-op "
-                                         "threads; omit it for one per CPU it reserved)", quoted=True)] = None
+    threads: Annotated[int | None, _rule(lambda v: _is_int(v) and v >= 1, "be an integer >= 1 (the cores the model "
+                                         "computes on; omit it for one per CPU it reserved)", quoted=True)] = None
     onnx_cache_dir: Annotated[str | None, _rule(lambda v: isinstance(v, str), "be a directory path (a string)")] = None
     onnx_optimize: Annotated[bool, _rule(lambda v: isinstance(v, bool), "be true or false")] = False  # onnx only
     model_path: Text = None

@@ -26,10 +26,14 @@ def process_group(cmdline: list[str]) -> str:
         return cmdline[0].split()[0]
     program = os.path.basename(cmdline[0])
     if program.startswith("python"):
-        if len(cmdline) > 2 and cmdline[1] in ("-m", "-c"):
-            return f"python -m {cmdline[2]}" if cmdline[1] == "-m" else "python -c"
-        scripts = [arg for arg in cmdline[1:] if not arg.startswith("-")]
-        return f"python {os.path.basename(scripts[0])}" if scripts else program
+        for i, arg in enumerate(cmdline[1:], 1):  # the interpreter's own flags, then what it runs
+            if arg == "-c":
+                return "python -c"
+            if arg == "-m" and i + 1 < len(cmdline):
+                return f"python -m {cmdline[i + 1]}"
+            if not arg.startswith("-"):
+                return f"python {os.path.basename(arg)}"
+        return program
     return program
 
 

@@ -40,12 +40,16 @@ class Service:
 
 def default_app_args() -> dict[str, Any]:
     """``serve_config.yaml``'s application args, held at one replica so the tests can read its batcher stats,
-    and with API keys required (through the ingress's runtime_env)."""
+    and with API keys required (through the ingress's runtime_env). The model replica reserves one of the session's
+    two CPUs, so the tests' other applications fit beside it, and computes on two as shipped (an engine a core and
+    one on both)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     (application,) = [app for app in config["applications"] if app["name"] == APP_NAME]
     args = copy.deepcopy(application["args"])
     for model in args["models"]:
         model["autoscaling"] = {**model["autoscaling"], "min_replicas": 1, "max_replicas": 1}
+        model["ray_actor_options"] = {"num_cpus": 1}
+        model["threads"] = 2
     args["ingress"] = {"env_vars": {"EMBEDDINGS_API_KEYS": ",".join(API_KEYS)}}
     return args
 
