@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import statistics
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -49,6 +50,7 @@ from .upstream_process import upstream_config_from, upstream_process
 
 TARGET_ADDED_MS = 2.0
 TARGET_GAIN_OVER_DIRECT = 4.0
+CPU_PARTS = ("ingress", "model replica", "the rest")
 
 
 @serve.deployment
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     upstream = upstream_config_from(args)
     with upstream_process(upstream) as root_url, \
             running(gateway(f"{root_url}/v1"), DEFAULT_PEERS_DIR, packaged_model_path()) as started:
-        return measure(started.url, root_url, upstream, settings, getattr(args, "results_dir", None))
+        return measure(started.url, root_url, upstream, settings, getattr(args, "results_dir", None), started.pids)
 
 
 def applications(base_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
@@ -138,15 +140,17 @@ def gateway(base_url: str) -> Server:
 
 
 def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
-            results_dir: Any = None) -> dict[str, Any]:
+            results_dir: Any = None, pids: Callable[[], list[int]] | None = None) -> dict[str, Any]:
     """The scenario on the variants served under ``url`` (``/<label>`` each) and the upstream at ``root_url``. A
-    variant's mean batch is the texts per upstream call during its runs (the variants take turns)."""
+    variant's mean batch is the texts per upstream call during its runs (the variants take turns); with the
+    service's ``pids()``, its processes' CPU a request."""
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
     targets = [Target(label, f"{url}/{label}", partial(upstream_totals, root_url))
                for label in applications(f"{root_url}/v1")]
-    runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim))
+    runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim,
+                                         pids))
     rows = summarise(runs)
     for concurrency, summary in direct.items():
         rows[str(concurrency)]["direct"] = {"items_per_s": summary["items_per_s"], "p50_ms": summary["p50_ms"],
@@ -187,10 +191,24 @@ def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dic
                    for key in ("items_per_s", "p50_ms", "p99_ms", "mean_batch_size")},
                 "errors": sum(r["errors"] for r in runs[label][concurrency]),
                 "mismatches": sum(r["mismatches"] for r in runs[label][concurrency]),
+                "cpu_ms_per_request": service_cpu(label, runs[label][concurrency]),
             }
             for label in runs
         }
     return rows
+
+
+def service_cpu(label: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The service's CPU ms a request over ``label``'s runs (medians): its ingress, its model replica, and the rest of
+    the service (HAProxy, Ray's own processes, the idle variants)."""
+    def part(run: dict[str, Any]) -> dict[str, float]:
+        cpu = run.get("cpu_ms_per_request", {})
+        ingress = sum(ms for group, ms in cpu.items() if group.endswith(f":{label}:EmbeddingsIngress"))
+        model = sum(ms for group, ms in cpu.items() if f"ServeReplica:{label}:" in group) - ingress
+        return {"ingress": ingress, "model replica": model, "the rest": sum(cpu.values()) - ingress - model}
+
+    parts = [part(run) for run in runs if run.get("cpu_ms_per_request")]
+    return {key: statistics.median(p[key] for p in parts) for key in parts[0]} if parts else {}
 
 
 def render(settings: Settings, upstream: UpstreamConfig, direct: dict[str, Any], rows: dict[str, Any],
@@ -208,6 +226,12 @@ def render(settings: Settings, upstream: UpstreamConfig, direct: dict[str, Any],
     verdict = "met" if data["target"]["met"] else "**not met**"
     gain = data["target_gain"]
     top = settings.levels[-1][0]
+    cpu = markdown_table(
+        ["concurrency", "variant", *CPU_PARTS, "all of the service"],
+        [[c, label, *(fmt(cell["cpu_ms_per_request"].get(part), 2) for part in CPU_PARTS),
+          fmt(sum(cell["cpu_ms_per_request"].values()), 2)]
+         for c, row in rows.items() for label, cell in row.items() if cell.get("cpu_ms_per_request")],
+    )
     return f"""\
 Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per level: \
 {", ".join(f"{n} at concurrency {c}" for c, n in settings.levels)}; {settings.repeats} interleaved repeat(s), medians.
@@ -223,4 +247,9 @@ At concurrency {settings.levels[0][0]}, over the unbatched service path (P50): a
 {fmt(added['adaptive'])} ms, `@serve.batch` adds {fmt(added['serve-batch'])} ms. Target (adaptive adds ≤ \
 {TARGET_ADDED_MS:g} ms): {verdict}. At concurrency {top}, the service serves {gain['gain']:.2f}× the texts/s of the \
 direct clients (target ≥ {TARGET_GAIN_OVER_DIRECT:g}×): {"met" if gain["met"] else "**not met**"}.
+
+The service's CPU ms a request (each process's CPU time over a variant's runs, from /proc, by the texts it served;
+medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants).
+
+{cpu}
 """

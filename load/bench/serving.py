@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 import yaml
 
 from load.loadgen import check, closed_loop
+from load.proc_cpu import CpuMeter
 from load.upstream import UpstreamConfig
 from load.upstream_client import UpstreamClient
 
@@ -152,11 +153,14 @@ class Target:
 
 async def compare_over_http(
     targets: Sequence[Target], model: str, texts: Sequence[str], levels: Sequence[tuple[int, int]], repeats: int,
-    check_dim: int | None = None,
+    check_dim: int | None = None, pids: Callable[[], list[int]] | None = None,
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Closed-loop runs of single-text requests at each (concurrency, request count), every target side by side:
     per repeat and level the targets run one after another in a rotating order. Returns label -> concurrency ->
-    one summary per repeat, with the mean batch size the model deployment formed during the run."""
+    one summary per repeat, with the mean batch size the model deployment formed during the run and, given the
+    service's ``pids()``, each process group's CPU ms a request (the targets take turns, so what the processes spent
+    during a run is that target's, with the idle others' background)."""
+    meter = CpuMeter(pids) if pids is not None else None
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {t.label: {c: [] for c, _ in levels} for t in targets}
     clients = {t.label: UpstreamClient(t.url, model=model) for t in targets}
     for client in clients.values():
@@ -168,13 +172,17 @@ async def compare_over_http(
                     client = clients[target.label]
 
                     before = await target.batch_totals()
+                    cpu_before = meter.start() if meter is not None else {}
                     result = await closed_loop(client.embed_one, texts[:count], concurrency)
+                    cpu_s = meter.stop(cpu_before) if meter is not None else {}
                     after = await target.batch_totals()
                     if check_dim is not None:
                         check(result, texts[:count], check_dim)
                     batches, items = after[0] - before[0], after[1] - before[1]
+                    served = max(1, result.completed)
                     runs[target.label][concurrency].append(
-                        {**result.summary(), "mean_batch_size": items / batches if batches else None}
+                        {**result.summary(), "mean_batch_size": items / batches if batches else None,
+                         "cpu_ms_per_request": {group: 1e3 * s / served for group, s in cpu_s.items()}}
                     )
     finally:
         for client in clients.values():
