@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from batching import Priority
 from deployments.config import ConfigError, parse_app_config
 from deployments.model import tokens
 from deployments.model.backends import ItemRejected, Prepared
@@ -158,6 +160,22 @@ async def test_ids_that_are_not_cl100k_tokens_are_rejected_in_place(onnx_backend
         [[-1], "fine", [tokens.get_encoding().max_token_value + 1], [2**63]])
     assert all(isinstance(outcome, ItemRejected) for outcome in (bad, too_large, huge)) and "token ids" in str(bad)
     assert isinstance(good, Prepared) and good.tokens == 1
+
+
+async def test_a_high_request_is_tokenized_while_low_ones_wait_for_their_thread(onnx_backend) -> None:
+    # LOW's thread held busy, as by a flood of LOW requests arriving together
+    busy, release = threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    holding = loop.run_in_executor(onnx_backend._tokenizer_threads[Priority.LOW], lambda: busy.set() or release.wait(10))
+    assert await asyncio.to_thread(busy.wait, 10)
+    low = asyncio.ensure_future(onnx_backend.prepare_many(["a low text"], priority=Priority.LOW))
+    await asyncio.sleep(0)  # the LOW request is handed to its thread first
+    (high,) = await onnx_backend.prepare_many(["a high text"], priority=Priority.HIGH)
+    assert isinstance(high, Prepared) and not low.done()
+    release.set()
+    await holding
+    (prepared,) = await low
+    assert prepared.content == onnx_backend.wordpieces.encode_many(["a low text"])[0]
 
 
 async def test_embed_refuses_other_dimensions_and_fails_foreign_contents_in_place(onnx_backend) -> None:

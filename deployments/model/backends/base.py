@@ -7,6 +7,8 @@ from typing import Hashable, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from batching import Priority
+
 from deployments.model.backends.prompts import Prompts
 
 Item = Union[str, Sequence[int]]  # a text, or token ids (cl100k_base for the clients that send ids)
@@ -68,9 +70,11 @@ class EmbeddingBackend(ABC):
         return Prompts()
 
     @abstractmethod
-    async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
+    async def prepare_many(self, items: Sequence[Item], prompt: str = "",
+                           priority: Priority = Priority.HIGH) -> list[Prepared | BaseException]:
         """Each item, ``prompt`` before it (a text ``prompts`` chose), made ready to embed, or the reason it cannot
-        be (``ItemRejected``: the caller's fault), in place. Long inputs must not hold the event loop."""
+        be (``ItemRejected``: the caller's fault), in place. Long inputs must not hold the event loop, and a HIGH
+        request's must not wait behind LOW ones'."""
 
     @abstractmethod
     async def embed(

@@ -26,6 +26,7 @@ from typing import Hashable, Sequence, TypeVar
 
 import numpy as np
 
+from batching import Priority
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared
 from deployments.model.backends.engine_pool import EnginePool
@@ -85,7 +86,10 @@ class LocalBackend(EmbeddingBackend):
         # threads are the process's: one engine on all of them.
         self.pool = (EnginePool(build, self.threads, wide=True) if engine == "onnx"
                      else EnginePool(build, 1, slot_threads=self.threads))
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-tokenize")
+        # A thread for each priority: when a flood of LOW requests arrives at once (its first requests do), their
+        # tokenizing queues on LOW's thread, and a HIGH request's goes on its own instead of behind all of it.
+        self._tokenizer_threads = {level: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{level.name}")
+                                   for level in Priority}
         if warm_up:
             warm = self.wordpieces.encode_many(["warm up"])
             self.pool.run_on_each(lambda engine: self._embed_now(engine, warm))
@@ -108,11 +112,12 @@ class LocalBackend(EmbeddingBackend):
         # return truncated vectors that look valid and are not: only the sizes the model entry declares are offered.
         return dimensions == self.model.dimension or dimensions in self.matryoshka_dims
 
-    async def prepare_many(self, items: Sequence[Item], prompt: str = "") -> list[Prepared | BaseException]:
+    async def prepare_many(self, items: Sequence[Item], prompt: str = "",
+                           priority: Priority = Priority.HIGH) -> list[Prepared | BaseException]:
         if any(not isinstance(item, str) for item in items):
-            await tokens.load_async(tokens.DEFAULT_ENCODING)  # slow, once per process, on neither worker thread
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare_now, items,
-                                                                prompt)
+            await tokens.load_async(tokens.DEFAULT_ENCODING)  # slow, once per process, on no tokenizing thread
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads[priority], self._prepare_now,
+                                                                items, prompt)
 
     async def embed(
         self, contents: Sequence[Hashable], dimensions: int | None = None
@@ -134,7 +139,8 @@ class LocalBackend(EmbeddingBackend):
 
     async def aclose(self) -> None:
         self.pool.shutdown()
-        self._tokenizer_thread.shutdown(wait=False)
+        for thread in self._tokenizer_threads.values():
+            thread.shutdown(wait=False)
 
     def _prepare_now(self, items: Sequence[Item], prompt: str) -> list[Prepared | BaseException]:
         texts: list[str] = []
