@@ -158,3 +158,18 @@ def test_the_headers_of_openai_and_of_the_simulated_upstream_are_read() -> None:
     assert provider_accounts({"content-type": "application/json"}) == {}
     assert [duration_s(text) for text in ("1.5s", "2m3s", "1h", "0.250s", "soon", "3x")] == [
         1.5, 123.0, 3600.0, 0.25, None, None]
+
+
+def test_the_first_answer_without_the_limit_ends_refusals_even_while_reservations_wait() -> None:
+    # The 429 storm's recovery: the provider reported 20 calls a minute, none left; HIGH calls hold reservations
+    # ahead (the level below zero) when an answer comes back with no x-ratelimit-* headers at all.
+    quota = QuotaBudget(Limits(None, None), now=0.0)
+    limited = {"requests": Account(20, 0, 60.0)}
+    quota.follow(limited, called_at=0.0, now=0.0)
+    assert quota.claim(HIGH, 10, now=0.0, max_wait_s=0.4).granted is False  # spent: 60/18 s a call
+    assert quota.claim(HIGH, 10, now=0.0).wait_s == pytest.approx(60 / 18)  # reserved ahead, waiting
+    quota.follow({}, called_at=0.5, now=0.5)  # the limit is lifted: nothing reported
+    assert not quota.limited
+    for _ in range(50):  # every claim at once, HIGH and LOW, whatever was reserved before
+        assert quota.claim(HIGH, 10, now=0.5, max_wait_s=0.4) == (True, 0.0, (0, 0))
+        assert quota.claim(LOW, 10, now=0.5, max_wait_s=0.4) == (True, 0.0, (0, 0))
