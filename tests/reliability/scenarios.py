@@ -247,7 +247,14 @@ class UpstreamFault:
     marker_rate: float = 0.0
     over_limit_rate: float = 0.0
     down: bool = False
+    extra_recovery_s: float = 0.0  # calm load after the fault, on top of the scale's recovery
 
+
+STORM_RPM = 20
+# A budget paced to the provider's limit learns that the limit was lifted only from its next call's answer, which may
+# come one paced interval after the lift (60 / (headroom x rpm) s, the default headroom 0.9): the storm's recovery
+# lasts that much longer, so that its last requests, which must all be served, come after it.
+STORM_PACED_INTERVAL_S = 60 / (0.9 * STORM_RPM)
 
 UPSTREAM_FAULTS = {
     "errors-500": UpstreamFault("5% of upstream calls answer 500", {"error_rate": 0.05}, {"error_rate": 0.0}),
@@ -256,8 +263,8 @@ UPSTREAM_FAULTS = {
         f"{UPSTREAM_MAX_INPUT_TOKENS} tokens", marker_rate=0.01, over_limit_rate=0.01),
     "slow": UpstreamFault("10% of calls take +1.5 s, past the 0.5 s batch timeout",
                           {"slow_rate": 0.10, "slow_ms": 1500}, {"slow_rate": 0.0}),
-    "429-storm": UpstreamFault("upstream limited to 20 calls/min: 429 + Retry-After",
-                               {"rpm": 20}, {"rpm": None}),
+    "429-storm": UpstreamFault(f"upstream limited to {STORM_RPM} calls/min: 429 + Retry-After",
+                               {"rpm": STORM_RPM}, {"rpm": None}, extra_recovery_s=STORM_PACED_INTERVAL_S),
     "down": UpstreamFault("upstream answers 503 (+ Retry-After) to everything, then is back", down=True),
 }
 
@@ -284,7 +291,7 @@ def upstream_fault(target: Target, scale: Scale, name: str) -> Result:
 
     phases = [Phase("baseline", scale.baseline_s, scale.rate_per_s),
               Phase("fault", fault_s, scale.rate_per_s, fault_on),
-              Phase("recovery", scale.recovery_s, scale.rate_per_s, fault_off)]
+              Phase("recovery", scale.recovery_s + fault.extra_recovery_s, scale.rate_per_s, fault_off)]
     before_abandoned = target.backend_stats().get("abandoned_items", 0)
     upstream.reset()
     with Sampler(target) as sampler:
@@ -299,7 +306,7 @@ def upstream_fault(target: Target, scale: Scale, name: str) -> Result:
     latency = {phase: summary_latency(_between(run.outcomes, run.phase_starts[phase], run.phase_ends[phase]))
                for phase in ("baseline", "fault", "recovery")}
     load = (f"{scale.rate_per_s:g} req/s (1-16 inputs, 20% LOW, deadlines 2 s / {long_deadline:g} s) for "
-            f"{scale.baseline_s:g}+{fault_s:g}+{scale.recovery_s:g} s")
+            f"{scale.baseline_s:g}+{fault_s:g}+{scale.recovery_s + fault.extra_recovery_s:g} s")
     return _result(name, scale, load, fault.description, run.outcomes, stats["items_billed"], abandoned, recovery,
                    latency, upstream=stats, normal_median_s=round(threshold, 3), **sampler.figures())
 
