@@ -20,6 +20,8 @@ Sample = dict[int, tuple[str, float]]  # pid -> (its group, CPU seconds so far)
 
 def process_group(cmdline: list[str]) -> str:
     """What a process is, from its command line."""
+    if len(cmdline) == 1:  # a process that rewrote its title as one string
+        cmdline = cmdline[0].split()
     if not cmdline:
         return "?"
     if cmdline[0].startswith("ray::"):

@@ -15,7 +15,7 @@ taken here. Cases (``--cases``, default the first three):
   left may take minutes to go), then the ``low-flood`` load until the autoscaler has added a replica and ``seconds``
   after, then the HIGH stream alone until it has removed one (each phase at most ``settle_seconds``). Target: both
   seen, and no answer of 5xx (nor a failed connection) at any point. It needs an application that can add a replica
-  (``--app``, ``--model``): the shipped config runs this machine's two one-CPU replicas from the start.
+  (``--app``, ``--model``): the shipped config runs one replica on both of this machine's cores from the start.
 
 Replicas are counted and measured from ``/proc`` (the service must run on this machine).
 """

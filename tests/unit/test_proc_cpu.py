@@ -15,6 +15,7 @@ def test_processes_are_grouped_by_ray_title_python_module_or_script_and_program(
     assert process_group(["/venv/bin/python", "-S", "-c", "import sys; sys.path = ['/a b']"]) == "python -c"
     assert process_group(["/venv/bin/python", "-u", "/venv/lib/ray/dashboard/dashboard.py"]) == "python dashboard.py"
     assert process_group(["/usr/sbin/haproxy", "-f", "haproxy.cfg"]) == "haproxy"
+    assert process_group(["/venv/bin/python3 -c import sys; sys.path = ['/a', '/b']"]) == "python -c"
     assert process_group([]) == "?"
 
 
