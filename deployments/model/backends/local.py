@@ -8,8 +8,8 @@ the cache keys them apart. ``embed`` pads those ids into batches for the engine 
 ``engines.py``; on device ``cuda``, torch, in larger calls); a Matryoshka size is the first values of the model's
 vector, normalised again if the model normalises.
 
-The replica's event loop never computes: a thread of its own tokenizes (so a request is counted at once, never
-behind a running batch), and the model runs on an ``EnginePool`` over the CPUs the replica reserved
+The replica's event loop never computes: threads of their own tokenize, one for each priority (so a request is
+counted at once, never behind a running batch, and a HIGH one never behind LOW ones), and the model runs on an ``EnginePool`` over the CPUs the replica reserved
 (``engine_pool.py``): the onnx engine once per core, calls side by side, and a lone call on every core; torch, whose
 threads are the process's, as one engine. Token-id input (cl100k_base, what LangChain's ``OpenAIEmbeddings`` sends)
 is decoded to text offline and prepared as that text.
