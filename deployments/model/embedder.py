@@ -148,7 +148,7 @@ class EmbeddingModel:
             raise InvalidRequest("there is nothing to embed", param="input")
         dimensions = self._output_size(request.dimensions)
         prompt = self._prompt(request)
-        prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt, level))
+        prepared = self._within_token_limit(await self._backend.prepare_many(texts, prompt, level is Priority.LOW))
         self._raise_first_failure(prepared)
         if deadline is not None and deadline.remaining() <= 0:
             raise RequestTimedOut("the request timed out before it was embedded")

@@ -16,7 +16,8 @@ from deployments.sizing import model_actor_options
 ROOT = Path(__file__).resolve().parents[2]
 # Where the cluster config's application args may differ from the shipped ones (paths into the args).
 INTENDED_ARG_DIFFERENCES = {
-    "models[0].ray_actor_options",
+    "models[0].ray_actor_options.num_cpus",  # a replica of one CPU on each one-CPU pod, against the whole machine
+    "models[0].autoscaling.min_replicas",
     "models[0].autoscaling.max_replicas",
     "ingress",
 }

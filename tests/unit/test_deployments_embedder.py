@@ -40,7 +40,7 @@ class FakeBackend:
     def supports_dimensions(self, dimensions: int) -> bool:
         return dimensions <= DIM
 
-    async def prepare_many(self, items, prompt: str = "", priority=None) -> list:
+    async def prepare_many(self, items, prompt: str = "", background: bool = False) -> list:
         return [Prepared(prompt + item, len((prompt + item).split())) if isinstance(item, str)
                 else Prepared(tuple(item), len(item)) for item in items]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batching import Priority
 from deployments.config import ConfigError, parse_app_config
 from deployments.model import tokens
 from deployments.model.backends import ItemRejected, Prepared
@@ -166,11 +165,11 @@ async def test_a_high_request_is_tokenized_while_low_ones_wait_for_their_thread(
     # LOW's thread held busy, as by a flood of LOW requests arriving together
     busy, release = threading.Event(), threading.Event()
     loop = asyncio.get_running_loop()
-    holding = loop.run_in_executor(onnx_backend._tokenizer_threads[Priority.LOW], lambda: busy.set() or release.wait(10))
+    holding = loop.run_in_executor(onnx_backend._tokenizer_threads[True], lambda: busy.set() or release.wait(10))
     assert await asyncio.to_thread(busy.wait, 10)
-    low = asyncio.ensure_future(onnx_backend.prepare_many(["a low text"], priority=Priority.LOW))
+    low = asyncio.ensure_future(onnx_backend.prepare_many(["a low text"], background=True))
     await asyncio.sleep(0)  # the LOW request is handed to its thread first
-    (high,) = await onnx_backend.prepare_many(["a high text"], priority=Priority.HIGH)
+    (high,) = await onnx_backend.prepare_many(["a high text"])
     assert isinstance(high, Prepared) and not low.done()
     release.set()
     await holding

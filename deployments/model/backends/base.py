@@ -7,8 +7,6 @@ from typing import Hashable, NamedTuple, Sequence, Union
 
 import numpy as np
 
-from batching import Priority
-
 from deployments.model.backends.prompts import Prompts
 
 Item = Union[str, Sequence[int]]  # a text, or token ids (cl100k_base for the clients that send ids)
@@ -71,10 +69,10 @@ class EmbeddingBackend(ABC):
 
     @abstractmethod
     async def prepare_many(self, items: Sequence[Item], prompt: str = "",
-                           priority: Priority = Priority.HIGH) -> list[Prepared | BaseException]:
+                           background: bool = False) -> list[Prepared | BaseException]:
         """Each item, ``prompt`` before it (a text ``prompts`` chose), made ready to embed, or the reason it cannot
-        be (``ItemRejected``: the caller's fault), in place. Long inputs must not hold the event loop, and a HIGH
-        request's must not wait behind LOW ones'."""
+        be (``ItemRejected``: the caller's fault), in place. Long inputs must not hold the event loop, and a request
+        that is not ``background`` work (a LOW request) must not wait behind those that are."""
 
     @abstractmethod
     async def embed(

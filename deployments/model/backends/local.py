@@ -8,8 +8,9 @@ the cache keys them apart. ``embed`` pads those ids into batches for the engine 
 ``engines.py``; on device ``cuda``, torch, in larger calls); a Matryoshka size is the first values of the model's
 vector, normalised again if the model normalises.
 
-The replica's event loop never computes: threads of their own tokenize, one for each priority (so a request is
-counted at once, never behind a running batch, and a HIGH one never behind LOW ones), and the model runs on an ``EnginePool`` over the CPUs the replica reserved
+The replica's event loop never computes: threads of their own tokenize, one for background (LOW) requests and one
+for the others (so a request is counted at once, never behind a running batch, and a HIGH one never behind LOW
+ones), and the model runs on an ``EnginePool`` over the CPUs the replica reserved
 (``engine_pool.py``): the onnx engine once per core, calls side by side, and a lone call on every core; torch, whose
 threads are the process's, as one engine. Token-id input (cl100k_base, what LangChain's ``OpenAIEmbeddings`` sends)
 is decoded to text offline and prepared as that text.
@@ -26,7 +27,6 @@ from typing import Hashable, Sequence, TypeVar
 
 import numpy as np
 
-from batching import Priority
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared
 from deployments.model.backends.engine_pool import EnginePool
@@ -86,10 +86,10 @@ class LocalBackend(EmbeddingBackend):
         # threads are the process's: one engine on all of them.
         self.pool = (EnginePool(build, self.threads, wide=True) if engine == "onnx"
                      else EnginePool(build, 1, slot_threads=self.threads))
-        # A thread for each priority: when a flood of LOW requests arrives at once (its first requests do), their
-        # tokenizing queues on LOW's thread, and a HIGH request's goes on its own instead of behind all of it.
-        self._tokenizer_threads = {level: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{level.name}")
-                                   for level in Priority}
+        # A thread for background (LOW) requests and one for the others: when a flood of LOW requests arrives at once
+        # (its first requests do), their tokenizing queues on theirs, and a HIGH request's does not wait behind it.
+        self._tokenizer_threads = {background: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
+                                   for background, name in ((False, "interactive"), (True, "background"))}
         if warm_up:
             warm = self.wordpieces.encode_many(["warm up"])
             self.pool.run_on_each(lambda engine: self._embed_now(engine, warm))
@@ -113,10 +113,10 @@ class LocalBackend(EmbeddingBackend):
         return dimensions == self.model.dimension or dimensions in self.matryoshka_dims
 
     async def prepare_many(self, items: Sequence[Item], prompt: str = "",
-                           priority: Priority = Priority.HIGH) -> list[Prepared | BaseException]:
+                           background: bool = False) -> list[Prepared | BaseException]:
         if any(not isinstance(item, str) for item in items):
             await tokens.load_async(tokens.DEFAULT_ENCODING)  # slow, once per process, on no tokenizing thread
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads[priority], self._prepare_now,
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads[background], self._prepare_now,
                                                                 items, prompt)
 
     async def embed(

@@ -28,7 +28,6 @@ import numpy as np
 import openai
 import orjson
 
-from batching import Priority
 from embeddings_wire import decode_embeddings
 
 from deployments.model import tokens
@@ -82,7 +81,7 @@ class OpenAIBackend(EmbeddingBackend):
         return dimensions > 0  # the upstream decides; a refusal comes back as a 400 for the input
 
     async def prepare_many(self, items: Sequence[Item], prompt: str = "",
-                           priority: Priority = Priority.HIGH) -> list[Prepared | BaseException]:
+                           background: bool = False) -> list[Prepared | BaseException]:
         """The text as it is, or the ids as a tuple, each costing its tokens in the upstream model's encoding. An
         upstream API has no prompts here (``prompts`` names none), so ``prompt`` is always empty."""
         if sum(len(item) for item in items) <= INLINE_PREPARE_SIZE:
