@@ -63,14 +63,17 @@ def spent(before: Sample, after: Sample) -> dict[str, float]:
 
 
 class CpuMeter:
-    """The CPU of the processes ``pids()`` names: ``started = meter.start()`` before a load, ``meter.stop(started)``
-    after it gives each group's CPU seconds in between."""
+    """The CPU of the processes ``pids()`` names (None: none is measured): ``started = meter.start()`` before a load,
+    ``meter.ms_each(started, served)`` after it gives each group's CPU milliseconds in between, per item served."""
 
-    def __init__(self, pids: Callable[[], Iterable[int]]) -> None:
+    def __init__(self, pids: Callable[[], Iterable[int]] | None) -> None:
         self._pids = pids
 
     def start(self) -> Sample:
-        return sample(self._pids())
+        return sample(self._pids()) if self._pids is not None else {}
 
-    def stop(self, started: Sample) -> dict[str, float]:
-        return spent(started, sample(self._pids()))
+    def ms_each(self, started: Sample, served: int) -> dict[str, float]:
+        if self._pids is None:
+            return {}
+        return {group: 1e3 * seconds / max(1, served)
+                for group, seconds in spent(started, sample(self._pids())).items()}

@@ -174,19 +174,19 @@ async def _measure_one(target: Target, settings: Settings, probes: list[str],
         vectors = np.stack(await client.embed(probes))
         cosines = np.sum(vectors * reference, axis=1) / np.linalg.norm(vectors, axis=1)
         levels = {}
-        meter = CpuMeter(target.pids) if target.pids is not None else None
+        meter = CpuMeter(target.pids)
         for level in settings.levels:
             batches = {chunk[0]: chunk for chunk in (take(level.texts) for _ in range(level.requests))}
-            cpu_before = meter.start() if meter is not None else {}
+            cpu_before = meter.start()
             result = await closed_loop(lambda first: client.embed(batches[first]), list(batches), level.concurrency)
-            cpu_s = meter.stop(cpu_before) if meter is not None else {}
+            texts_done = result.completed * level.texts
+            cpu_ms = meter.ms_each(cpu_before, texts_done)
             summary = result.summary()
-            texts_done = max(1, result.completed * level.texts)
             levels[level.name] = {"texts_per_s": result.throughput * level.texts, "requests_per_s": result.throughput,
                                   **{key: summary[key] for key in ("p50_ms", "p99_ms", "errors", "error_sample",
                                                                    "completed", "elapsed_s")},
-                                  "cpu_ms_per_text": {**{group: 1e3 * s / texts_done for group, s in cpu_s.items()},
-                                                      "load generator": 1e3 * result.cpu_s / texts_done}}
+                                  "cpu_ms_per_text": {**cpu_ms,
+                                                      "load generator": 1e3 * result.cpu_s / max(1, texts_done)}}
     return {"levels": levels, "min_cosine": float(cosines.min()), "cosines": cosines.tolist(),
             "warmup_errors": warmup.errors, "encoding": target.encoding}
 

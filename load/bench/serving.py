@@ -160,7 +160,7 @@ async def compare_over_http(
     one summary per repeat, with the mean batch size the model deployment formed during the run and, given the
     service's ``pids()``, each process group's CPU ms a request (the targets take turns, so what the processes spent
     during a run is that target's, with the idle others' background)."""
-    meter = CpuMeter(pids) if pids is not None else None
+    meter = CpuMeter(pids)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {t.label: {c: [] for c, _ in levels} for t in targets}
     clients = {t.label: UpstreamClient(t.url, model=model) for t in targets}
     for client in clients.values():
@@ -172,17 +172,16 @@ async def compare_over_http(
                     client = clients[target.label]
 
                     before = await target.batch_totals()
-                    cpu_before = meter.start() if meter is not None else {}
+                    cpu_before = meter.start()
                     result = await closed_loop(client.embed_one, texts[:count], concurrency)
-                    cpu_s = meter.stop(cpu_before) if meter is not None else {}
+                    cpu_ms = meter.ms_each(cpu_before, result.completed)
                     after = await target.batch_totals()
                     if check_dim is not None:
                         check(result, texts[:count], check_dim)
                     batches, items = after[0] - before[0], after[1] - before[1]
-                    served = max(1, result.completed)
                     runs[target.label][concurrency].append(
                         {**result.summary(), "mean_batch_size": items / batches if batches else None,
-                         "cpu_ms_per_request": {group: 1e3 * s / served for group, s in cpu_s.items()}}
+                         "cpu_ms_per_request": cpu_ms}
                     )
     finally:
         for client in clients.values():

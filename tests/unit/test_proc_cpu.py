@@ -30,6 +30,7 @@ def test_the_meter_reads_this_process_and_skips_pids_that_are_gone() -> None:
     started = meter.start()
     assert list(started) == [os.getpid()]
     sum(i * i for i in range(300_000))  # some CPU for the meter to see (its amount is not asserted)
-    (group, seconds), = meter.stop(started).items()
-    assert group.startswith("python") and seconds >= 0
+    (group, ms), = meter.ms_each(started, 4).items()
+    assert group.startswith("python") and ms >= 0
+    assert CpuMeter(None).start() == {} and CpuMeter(None).ms_each({}, 4) == {}  # nothing to measure
     assert sample([os.getpid()])[os.getpid()][1] >= started[os.getpid()][1]
