@@ -4,7 +4,7 @@ from .batcher import AdaptiveBatcher
 from .config import BatcherConfig, Priority
 from .decorator import adaptive_batch, batch_options
 from .errors import (BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, NeverFits,
-                     Overloaded, is_retryable)
+                     Overloaded, Postponed, is_retryable)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, FixedWait, WaitPolicy
 from .serve_compat import batch
@@ -24,6 +24,7 @@ __all__ = [
     "ItemTooLarge",
     "NeverFits",
     "Overloaded",
+    "Postponed",
     "Priority",
     "WaitPolicy",
     "adaptive_batch",

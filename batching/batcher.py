@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 from .admission import Admission, DrainRate
 from .config import HIGH, LOW, BatcherConfig, Priority
 from .counting import CountingMetrics
-from .errors import (BatcherClosed, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded, is_retryable,
-                     retry_after_s)
+from .errors import (BatcherClosed, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, Overloaded, Postponed,
+                     is_retryable, retry_after_s)
 from .metrics import BatcherMetrics
 from .policies import DepthScaledWait, WaitPolicy
 from .queue import DELAYED, DONE, IN_FLIGHT, QUEUED, Item, Lanes
@@ -423,17 +423,21 @@ class AdaptiveBatcher(Generic[P, R]):
         for item, exc in failures:
             if item.done:
                 continue
-            if may_retry and item.attempts < self._config.max_retries and is_retryable(exc):
+            if may_retry and (isinstance(exc, Postponed) or
+                              item.attempts < self._config.max_retries and is_retryable(exc)):
                 retries.append((item, exc))
             else:
                 item.settle(error=exc)
         return retries
 
     def _retry(self, retries: list[tuple[Item, BaseException]]) -> None:
-        """Queue failed items again, together, after the delay their errors ask for (the longest of them)."""
-        for item, _ in retries:
+        """Queue failed items again, together, after the delay their errors ask for (the longest of them). A
+        postponed item was not sent: that is no attempt."""
+        attempted = [item for item, exc in retries if not isinstance(exc, Postponed)]
+        for item in attempted:
             item.attempts += 1
-        self._metrics.item_retried(self.name, len(retries))
+        if attempted:
+            self._metrics.item_retried(self.name, len(attempted))
         items = [item for item, _ in retries]
         delay = max(retry_after_s(exc) for _, exc in retries)
         if delay > 0:

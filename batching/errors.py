@@ -36,6 +36,18 @@ class BatchResultMismatch(BatcherError):
     """The process function returned a result list whose length differs from its input."""
 
 
+class Postponed(Exception):
+    """What a process function returns for an item it did not send because it can be sent only after
+    ``retry_after_s`` (a quota that will hold it then): the item waits out of the queue until that moment and is
+    queued again. Not a failure: it uses none of ``max_retries``, and its deadline still bounds its wait."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, message: str = "not sent yet") -> None:
+        super().__init__(f"{message}; again in {retry_after_s:.3f}s")
+        self.retry_after_s = retry_after_s
+
+
 def is_retryable(exc: BaseException) -> bool:
     """Timeouts, connection errors and anything marked ``retryable = True`` are worth another attempt."""
     marked = getattr(exc, "retryable", None)

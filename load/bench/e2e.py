@@ -3,9 +3,11 @@
 Three copies of the application run side by side in one ``serve run`` (``serve.env``, as the README's run command
 starts the service; the load comes from this process, which is not part of the Ray cluster), each with one model
 replica of the ``openai`` backend pointed at the simulated upstream (its own process): ``adaptive``
-(``AdaptiveBatcher``, max_batch 200, max_wait 25 ms, scale_factor 15), ``serve.batch`` (the same backend behind Ray
-Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched`` (``AdaptiveBatcher`` with max_batch 1 and no wait:
-the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
+(``AdaptiveBatcher``, max_batch 200, max_wait 25 ms, scale_factor 15), ``adaptive-limits`` (the same, with the
+provider's quota in play but far from binding: the entry's ``limits:`` at 10^8 RPM and 10^9 TPM, and its own upstream
+process reporting those limits in its ``x-ratelimit-*`` headers: what the quota costs while it does not bind),
+``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched``
+(``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
 interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured
 by calling it directly, one text at a time.
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import statistics
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, ContextManager, Sequence
 
 import numpy as np
 from ray import serve
@@ -50,6 +53,8 @@ from .upstream_process import upstream_config_from, upstream_process
 
 TARGET_ADDED_MS = 2.0
 TARGET_GAIN_OVER_DIRECT = 4.0
+TARGET_LIMITS_COST = 0.03  # adaptive-limits within this share of adaptive's texts/s
+FAR_LIMITS = {"rpm": 10**8, "tpm": 10**9}  # far above any load here: the quota never binds
 CPU_PARTS = ("ingress", "model replica", "the rest")
 
 
@@ -103,23 +108,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
     upstream = upstream_config_from(args)
-    with upstream_process(upstream) as root_url, \
-            running(gateway(f"{root_url}/v1"), DEFAULT_PEERS_DIR, packaged_model_path()) as started:
-        return measure(started.url, root_url, upstream, settings, getattr(args, "results_dir", None), started.pids)
+    with upstream_process(upstream) as root_url, limited_upstream(upstream) as limited_url, \
+            running(gateway(root_url, limited_url), DEFAULT_PEERS_DIR, packaged_model_path()) as started:
+        return measure(started.url, root_url, limited_url, upstream, settings, getattr(args, "results_dir", None),
+                       started.pids)
 
 
-def applications(base_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
-    """Each variant, by route prefix: its application builder and the builder's args."""
+def limited_upstream(upstream: UpstreamConfig) -> ContextManager[str]:
+    """A second simulated upstream like ``upstream``, reporting ``FAR_LIMITS`` in its headers (adaptive-limits')."""
+    return upstream_process(dataclasses.replace(upstream, **FAR_LIMITS))
+
+
+def applications(root_url: str, limited_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
+    """Each variant, by route prefix: its application builder and the builder's args (every model on the upstream at
+    ``root_url``, but adaptive-limits', on the one at ``limited_url``)."""
+    base_url = f"{root_url}/v1"
     return {
         "adaptive": (build_app, {"models": [sim_model_entry(base_url)]}),
+        "adaptive-limits": (build_app, {"models": [{**sim_model_entry(f"{limited_url}/v1"), "limits": FAR_LIMITS}]}),
         "serve-batch": (serve_batch_app, {"models": [sim_model_entry(base_url)]}),
         "unbatched": (build_app, {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
     }
 
 
-def built_applications(base_url: str) -> dict[str, Any]:
+def built_applications(root_url: str, limited_url: str) -> dict[str, Any]:
     """The variants built in this process (to deploy them on a running Serve instance, as the tests do)."""
-    return {label: builder(args) for label, (builder, args) in applications(base_url).items()}
+    return {label: builder(args) for label, (builder, args) in applications(root_url, limited_url).items()}
 
 
 def serve_batch_app(args: dict[str, Any]) -> Any:
@@ -129,26 +143,28 @@ def serve_batch_app(args: dict[str, Any]) -> Any:
     return bind_ingress(config, {model.name: ServeBatchedModel.options(**model_deployment_options(model)).bind(model)})
 
 
-def gateway(base_url: str) -> Server:
-    """The three variants in one ``serve run``, their model on the upstream at ``base_url``."""
+def gateway(root_url: str, limited_url: str) -> Server:
+    """The variants in one ``serve run``, their model on the upstreams at ``root_url`` and ``limited_url``."""
     config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8000},
               "applications": [{"name": label, "route_prefix": f"/{label}",
                                 "import_path": f"{builder.__module__}:{builder.__name__}", "args": args}
-                               for label, (builder, args) in applications(base_url).items()]}
+                               for label, (builder, args) in applications(root_url, limited_url).items()]}
     return Server("e2e-service", serve_run(config, "e2e"), SIM_BATCHING, route="/adaptive/v1/embeddings",
                   health="/adaptive/healthz", stop_signal=signal.SIGINT, model=SIM_MODEL)
 
 
-def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Settings,
+def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig, settings: Settings,
             results_dir: Any = None, pids: Callable[[], list[int]] | None = None) -> dict[str, Any]:
-    """The scenario on the variants served under ``url`` (``/<label>`` each) and the upstream at ``root_url``. A
+    """The scenario on the variants served under ``url`` (``/<label>`` each) and the upstreams at ``root_url`` and
+    ``limited_url`` (``limited_upstream``'s). A
     variant's mean batch is the texts per upstream call during its runs (the variants take turns); with the
     service's ``pids()``, its processes' CPU a request."""
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
-    targets = [Target(label, f"{url}/{label}", partial(upstream_totals, root_url))
-               for label in applications(f"{root_url}/v1")]
+    targets = [Target(label, f"{url}/{label}",
+                      partial(upstream_totals, limited_url if label == "adaptive-limits" else root_url))
+               for label in applications(root_url, limited_url)]
     runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim,
                                          pids))
     rows = summarise(runs)
@@ -160,6 +176,7 @@ def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Setting
     added = {label: one[label]["p50_ms"] - one["unbatched"]["p50_ms"] for label in ("adaptive", "serve-batch")}
     top = rows[str(settings.levels[-1][0])]
     gain = top["adaptive"]["items_per_s"] / top["direct"]["items_per_s"]
+    limits_cost = 1 - top["adaptive-limits"]["items_per_s"] / top["adaptive"]["items_per_s"]
     data = {
         "settings": asdict(settings),
         "upstream": asdict(upstream),
@@ -170,6 +187,8 @@ def measure(url: str, root_url: str, upstream: UpstreamConfig, settings: Setting
         "target": {"adaptive_added_ms": added["adaptive"], "needed_ms": TARGET_ADDED_MS,
                    "met": added["adaptive"] <= TARGET_ADDED_MS},
         "target_gain": {"gain": gain, "needed": TARGET_GAIN_OVER_DIRECT, "met": gain >= TARGET_GAIN_OVER_DIRECT},
+        "target_limits_cost": {"cost": limits_cost, "allowed": TARGET_LIMITS_COST,
+                               "met": limits_cost <= TARGET_LIMITS_COST},
         "runs": runs,
     }
     return write_report("e2e", "End to end through Ray Serve: adaptive vs @serve.batch",
@@ -246,7 +265,9 @@ The three variants run in one `serve run` with `serve.env` (HAProxy in front), t
 At concurrency {settings.levels[0][0]}, over the unbatched service path (P50): adaptive adds \
 {fmt(added['adaptive'])} ms, `@serve.batch` adds {fmt(added['serve-batch'])} ms. Target (adaptive adds ≤ \
 {TARGET_ADDED_MS:g} ms): {verdict}. At concurrency {top}, the service serves {gain['gain']:.2f}× the texts/s of the \
-direct clients (target ≥ {TARGET_GAIN_OVER_DIRECT:g}×): {"met" if gain["met"] else "**not met**"}.
+direct clients (target ≥ {TARGET_GAIN_OVER_DIRECT:g}×): {"met" if gain["met"] else "**not met**"}. The quota far \
+from binding (adaptive-limits) costs {100 * data['target_limits_cost']['cost']:.1f}% of adaptive's texts/s there \
+(target ≤ {100 * TARGET_LIMITS_COST:g}%): {"met" if data['target_limits_cost']['met'] else "**not met**"}.
 
 The service's CPU ms a request (each process's CPU time over a variant's runs, from /proc, by the texts it served;
 medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants).

@@ -5,17 +5,20 @@ One Ray cluster runs the application with two replicas of the ``openai`` backend
 ``--headroom``): both replicas claim from one budget. With ``--nodes 1`` (the default) the cluster is one Ray node
 started as ``serve run`` starts it (``serve.env``); with ``--nodes N`` it is ``load.bench cluster``'s: N nodes of one
 CPU each (``load.multinode``), a replica and an ingress on each, Serve's proxy on every node, the job sent to the
-head's proxy and the HIGH stream to the last node's. Two measured runs, one after the other:
+head's proxy and the HIGH stream to the last node's. Three measured runs, one after the other:
 
 1. the HIGH stream alone (single texts, Poisson arrivals, ``X-Priority: high``);
 2. ``embed-bulk`` (``python -m embed_bulk``, LOW) over every document, with the same stream running from the job's
-   first upstream call to its exit; the upstream's counters are read every second.
+   first upstream call to its exit; the upstream's counters are read every second;
+3. LOW of another shape: many clients (``--clients``), each sending requests of ``--client-texts`` texts back to back
+   for ``--clients-s`` seconds (sleeping a 429's ``Retry-After``), with the same stream beside them.
 
 Reported: upstream 429s as a share of upstream calls, tokens sent a minute against the TPM limit (over the job, and
 after its first minute, when the bucket it started with is spent), the job's wall time against its tokens / TPM,
-HIGH P99 with and without the job, and every request's outcome (the job's rows are checked against their hashes).
-Targets (issue 31): 429s <= 0.5% of calls; tokens/min >= 90% of TPM; the job within 1.15x its tokens / TPM; HIGH
-P99 during the job <= 1.5x alone.
+HIGH P99 beside each LOW shape against alone, the LOW clients' requests answered, and every request's outcome (the
+job's rows are checked against their hashes). Targets: 429s <= 0.5% of calls; tokens/min >= 90% of TPM (85% beside
+the clients, whose shape leaves gaps); the job within 1.15x its tokens / TPM; HIGH P99 beside each LOW shape <= 1.5x
+alone; the clients' requests >= 90% answered.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import asyncio
 import dataclasses
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
+
+import aiohttp
 
 from deployments.model import tokens
 from load.multinode import local_cluster, wait_for_proxies
@@ -46,6 +52,9 @@ TARGET_429_SHARE = 0.005
 TARGET_TPM_SHARE = 0.90
 TARGET_JOB_WALL_RATIO = 1.15
 TARGET_HIGH_P99_RATIO = 1.5
+TARGET_CLIENTS_TPM_SHARE = 0.85
+TARGET_LOW_ANSWERED = 0.90
+CLIENT_TIMEOUT_S = 120.0  # a LOW client's request waits for the quota at most this long (embed-bulk's own timeout)
 SAMPLE_S = 1.0
 
 
@@ -64,13 +73,18 @@ class Settings:
     # this TPM, past embed-bulk's 120 s timeout, and every request it gave up on and sent again was billed again.
     job_concurrency: int = 4
     job_batch_size: int = 256
+    # the other LOW shape: many clients, multi-text requests back to back
+    clients: int = 12
+    client_texts: int = 64
+    clients_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("quota: --nodes must be >= 1")
 
 
-QUICK = Settings(documents=300, rpm=600, tpm=20_000, high_rate_per_s=2.0, baseline_s=3.0)
+QUICK = Settings(documents=300, rpm=600, tpm=20_000, high_rate_per_s=2.0, baseline_s=3.0, clients=3, client_texts=8,
+                 clients_s=3.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,8 +156,48 @@ async def _runs(job_url: str, stream_url: str, root_url: str, documents: list[st
         finally:
             sampling.cancel()
         job_upstream = await upstream.stats()
+        clients = await low_clients(job_url, stream_url, upstream, stream_texts, settings, dim)
     return {"high_alone": {**alone.summary(), "upstream": alone_upstream},
-            "job_with_high": {**job, "upstream": job_upstream, "samples": _since_reset(samples)}}
+            "job_with_high": {**job, "upstream": job_upstream, "samples": _since_reset(samples)},
+            "clients_with_high": clients}
+
+
+async def low_clients(url: str, stream_url: str, upstream: UpstreamClient, stream_texts: list[str],
+                      settings: Settings, dim: int) -> dict[str, Any]:
+    """``settings.clients`` LOW clients sending ``settings.client_texts`` texts a request back to back (sleeping a
+    429's Retry-After) for ``settings.clients_s``, beside the HIGH stream; each request's status, and what the
+    upstream billed meanwhile."""
+    await upstream.wait_idle()
+    before = await upstream.stats()
+    texts = iter(pseudo_sentences(settings.clients * settings.client_texts * 400, settings.mean_chars, seed=3))
+    statuses: Counter[int] = Counter()
+    stop = asyncio.Event()
+    body = {"model": SIM_MODEL, "encoding_format": "base64"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
+        async def client() -> None:
+            while not stop.is_set():
+                inputs = [next(texts) for _ in range(settings.client_texts)]
+                try:
+                    async with session.post(f"{url}/v1/embeddings", json={**body, "input": inputs},
+                                            headers={"X-Priority": "low"}) as response:
+                        await response.read()
+                        status, retry_after = response.status, response.headers.get("retry-after")
+                except (aiohttp.ClientError, TimeoutError):
+                    status, retry_after = 0, None
+                statuses[status] += 1
+                if status == 429:
+                    await asyncio.sleep(float(retry_after or 1.0))
+
+        started = time.monotonic()
+        sending = asyncio.gather(*(client() for _ in range(settings.clients)))
+        stream = await high_stream(stream_url, stream_texts, settings.high_rate_per_s, settings.clients_s, dim)
+        stop.set()
+        await sending  # what each client has in flight is answered (or times out)
+        wall_s = time.monotonic() - started
+    after = await upstream.stats()
+    return {"high_stream": stream.summary(), "statuses": {str(status): count for status, count in statuses.items()},
+            "wall_s": wall_s, "upstream": {key: after[key] - before[key]
+                                           for key in ("calls", "tokens_billed", "rejected_429")}}
 
 
 async def _sample(upstream: UpstreamClient, samples: list[tuple[float, dict[str, Any]]]) -> None:
@@ -176,8 +230,13 @@ def summarise(runs: dict[str, Any], settings: Settings, upstream: UpstreamConfig
         first, last = after_first[0], after_first[-1]
         steady = (last["tokens"] - first["tokens"]) / ((last["t_s"] - first["t_s"]) / 60.0)
     ideal_s = job_tokens / settings.tpm * 60.0
-    alone_p99, during_p99 = alone["p99_ms"], job["high_stream"]["p99_ms"]
-    p99_ratio = during_p99 / alone_p99 if alone_p99 and during_p99 else None
+    clients = runs["clients_with_high"]
+    sent = sum(clients["statuses"].values())
+    clients_calls = clients["upstream"]["calls"]
+
+    def p99_ratio(stream: dict[str, Any]) -> float | None:
+        alone_p99, during_p99 = alone["p99_ms"], stream["p99_ms"]
+        return during_p99 / alone_p99 if alone_p99 and during_p99 else None
 
     def target(value: float | None, needed: float, at_most: bool) -> dict[str, Any]:
         met = value is not None and (value <= needed if at_most else value >= needed)
@@ -197,7 +256,15 @@ def summarise(runs: dict[str, Any], settings: Settings, upstream: UpstreamConfig
             "tpm_share_after_first_minute": target(steady / settings.tpm if steady else None, TARGET_TPM_SHARE,
                                                    at_most=False),
             "job_wall_ratio": target(job["wall_s"] / ideal_s, TARGET_JOB_WALL_RATIO, at_most=True),
-            "high_p99_ratio": target(p99_ratio, TARGET_HIGH_P99_RATIO, at_most=True),
+            "high_p99_ratio": target(p99_ratio(job["high_stream"]), TARGET_HIGH_P99_RATIO, at_most=True),
+            "clients_upstream_429_share": target(clients["upstream"]["rejected_429"] / clients_calls
+                                                 if clients_calls else None, TARGET_429_SHARE, at_most=True),
+            "clients_tpm_share": target(clients["upstream"]["tokens_billed"] / (clients["wall_s"] / 60.0)
+                                        / settings.tpm, TARGET_CLIENTS_TPM_SHARE, at_most=False),
+            "clients_high_p99_ratio": target(p99_ratio(clients["high_stream"]), TARGET_HIGH_P99_RATIO,
+                                             at_most=True),
+            "clients_low_answered": target(clients["statuses"].get("200", 0) / sent if sent else None,
+                                           TARGET_LOW_ANSWERED, at_most=False),
         },
     }
 
@@ -224,12 +291,24 @@ def render(data: dict[str, Any]) -> str:
          f"≤ {TARGET_JOB_WALL_RATIO:g}×", verdict[targets["job_wall_ratio"]["met"]]],
         ["HIGH P99 during the job / alone", f"{fmt(targets['high_p99_ratio']['value'], 2)}×",
          f"≤ {TARGET_HIGH_P99_RATIO:g}×", verdict[targets["high_p99_ratio"]["met"]]],
+        ["beside the LOW clients: upstream 429s / upstream calls",
+         percent(targets["clients_upstream_429_share"]["value"], 2), f"≤ {100 * TARGET_429_SHARE:g}%",
+         verdict[targets["clients_upstream_429_share"]["met"]]],
+        ["beside the LOW clients: tokens/min / TPM", percent(targets["clients_tpm_share"]["value"]),
+         f"≥ {100 * TARGET_CLIENTS_TPM_SHARE:g}%", verdict[targets["clients_tpm_share"]["met"]]],
+        ["HIGH P99 beside the LOW clients / alone", f"{fmt(targets['clients_high_p99_ratio']['value'], 2)}×",
+         f"≤ {TARGET_HIGH_P99_RATIO:g}×", verdict[targets["clients_high_p99_ratio"]["met"]]],
+        ["the LOW clients' requests answered", percent(targets["clients_low_answered"]["value"]),
+         f"≥ {100 * TARGET_LOW_ANSWERED:g}%", verdict[targets["clients_low_answered"]["met"]]],
     ]
+    clients = runs["clients_with_high"]
     stream_rows = [
         [label, run["submitted"], fmt(run["p50_ms"]), fmt(run["p99_ms"]), run["errors"] + run["mismatches"],
          run.get("error_sample") or ""]
-        for label, run in (("alone", alone), ("during the job", job["high_stream"]))
+        for label, run in (("alone", alone), ("during the job", job["high_stream"]),
+                           ("beside the LOW clients", clients["high_stream"]))
     ]
+    statuses = ", ".join(f"{count:,}× {status}" for status, count in sorted(clients["statuses"].items()))
     return f"""\
 Upstream (its own process): {settings['rpm']:,} requests/min and {settings['tpm']:,} tokens/min, OpenAI's \
 `x-ratelimit-*` headers on every answer. Service: {settings['replicas']} replicas of the `openai` backend on \
@@ -246,6 +325,8 @@ The upstream billed {job['upstream']['tokens_billed']:,} tokens in {job['upstrea
 ({fmt(data['tokens_per_min'], 0)} a minute; after its first minute {fmt(data['steady_tokens_per_min'], 0)}). \
 The bucket starts full (a minute of tokens), so the first minute may send more than the TPM, as the provider's own \
 bucket allows. Job rows wrong or missing: {job['mismatches'] + job['misplaced_ids'] + job['documents'] - job['rows']}.
+
+LOW clients: {settings['clients']} sending {settings['client_texts']} texts a request back to back for {settings['clients_s']:g} s (a 429's `Retry-After` slept): {statuses} (status 0: no answer within {CLIENT_TIMEOUT_S:g} s); the upstream billed {clients['upstream']['tokens_billed']:,} tokens in {clients['upstream']['calls']:,} calls ({clients['upstream']['rejected_429']} refused) over {fmt(clients['wall_s'])} s.
 
 {markdown_table(["HIGH stream", "requests", "P50 ms", "P99 ms", "errors", "first error"], stream_rows)}
 """

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.integration
 
 def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(serve_instance, tmp_path):
     upstream = UpstreamConfig(base_latency_ms=1, per_token_ms=0, jitter=0)
-    with upstream_process(upstream) as root_url, \
-            deployed(serve_instance.url, e2e.built_applications(f"{root_url}/v1"), SIM_MODEL):
-        data = e2e.measure(serve_instance.url, root_url, upstream, e2e.QUICK, tmp_path)
+    with upstream_process(upstream) as root_url, e2e.limited_upstream(upstream) as limited_url, \
+            deployed(serve_instance.url, e2e.built_applications(root_url, limited_url), SIM_MODEL):
+        data = e2e.measure(serve_instance.url, root_url, limited_url, upstream, e2e.QUICK, tmp_path)
     assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e.json").exists()
     for row in data["rows"].values():
-        assert set(row) == {"adaptive", "serve-batch", "unbatched", "direct"}
+        assert set(row) == {"adaptive", "adaptive-limits", "serve-batch", "unbatched", "direct"}
         for cell in row.values():
             assert cell["errors"] == 0 and cell["mismatches"] == 0 and cell["items_per_s"] > 0
         assert row["unbatched"]["mean_batch_size"] == 1.0  # counted at the upstream: one call a text

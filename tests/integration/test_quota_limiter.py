@@ -51,3 +51,16 @@ async def test_replicas_share_one_budget_and_a_lost_limiter_is_replaced_empty(se
     replacement = await started(name)  # what the next replica to claim does, in its connecting thread
     assert await pacer(name).paced(batch(60_000, 1.0), send) == ["sent"]  # a new limiter, full again
     ray.kill(replacement)
+
+
+async def test_a_lease_is_lent_and_given_back_through_the_limiter_actor(serve_instance) -> None:
+    name = f"quota:test:{uuid.uuid4().hex}"
+    limiter = await started(name)
+    ledger = RemoteLedger(name, LIMITS)
+    lent = await ledger.renew(Priority.LOW, (10, 1_000), [])
+    assert lent.claim.leased == (10, 1_000)
+    assert lent.remaining["high"]["tokens"] == 59_000
+    await ledger.release(10, 1_000)
+    after = await ledger.renew(Priority.HIGH, (0, 0), [])  # nothing asked: what the budget holds now
+    assert after.claim.leased == (0, 0) and after.remaining["high"]["tokens"] >= 60_000 - 1
+    ray.kill(limiter)

@@ -12,6 +12,7 @@ from batching import (
     DeadlineExceeded,
     NeverFits,
     Overloaded,
+    Postponed,
     Priority,
 )
 
@@ -79,6 +80,27 @@ async def test_retry_after_delays_the_retry_instead_of_failing():
     batcher = AdaptiveBatcher(FakeProcess(answer=answer), BatcherConfig(max_retries=1))
     assert await batcher.submit("x") == "x"
     assert attempts[1] - attempts[0] >= 2.0
+
+
+async def test_a_postponed_item_waits_out_of_its_slot_and_uses_no_retry_and_its_deadline_still_ends_it():
+    attempts = []
+
+    def answer(p):
+        attempts.append((p, now()))
+        return Postponed(1.0) if p != "other" and now() < 3.0 else p
+
+    config = BatcherConfig(max_retries=0, max_concurrent_batches=1, max_wait_ms=0.0)
+    batcher = AdaptiveBatcher(FakeProcess(answer=answer), config)
+    later = asyncio.ensure_future(batcher.submit("later"))
+    gone = asyncio.ensure_future(batcher.submit("gone", timeout_s=1.5))
+    await asyncio.sleep(0.1)
+    assert await batcher.submit("other") == "other"  # the only slot was free while the others waited
+    assert now() == pytest.approx(0.1)
+    assert await later == "later" and now() == pytest.approx(3.0)  # postponed three times: no retry used
+    with pytest.raises(DeadlineExceeded):
+        await gone
+    assert [p for p, _ in attempts].count("gone") == 2  # not sent again once its deadline passed
+    assert batcher.stats().retried == 0
 
 
 async def test_wrong_number_of_results_fails_every_item_of_the_batch():

@@ -32,6 +32,8 @@ def test_each_target_is_judged_from_the_runs() -> None:
         "job_with_high": {"wall_s": 180.0, "high_stream": {**stream, "p99_ms": 140.0}, "samples": samples,
                           "upstream": stats(199, 231_000, refused=1), "mismatches": 0, "misplaced_ids": 0,
                           "documents": 10, "rows": 10},
+        "clients_with_high": {"high_stream": {**stream, "p99_ms": 170.0}, "statuses": {"200": 45, "429": 5},
+                              "wall_s": 60.0, "upstream": {"calls": 400, "tokens_billed": 54_000, "rejected_429": 4}},
     }
     data = summarise(runs, settings, UpstreamConfig(), job_tokens=200_000)
     targets = data["targets"]
@@ -40,7 +42,14 @@ def test_each_target_is_judged_from_the_runs() -> None:
     assert targets["tpm_share_after_first_minute"]["value"] == pytest.approx(1.0)
     assert targets["job_wall_ratio"] == {"value": pytest.approx(0.9), "needed": 1.15, "met": True}
     assert targets["high_p99_ratio"] == {"value": pytest.approx(1.4), "needed": 1.5, "met": True}
-    assert "| HIGH P99 during the job / alone | 1.40× | ≤ 1.5× | met |" in render(data)
+    assert targets["clients_upstream_429_share"] == {"value": pytest.approx(0.01), "needed": 0.005, "met": False}
+    assert targets["clients_tpm_share"] == {"value": pytest.approx(0.9), "needed": 0.85, "met": True}
+    assert targets["clients_high_p99_ratio"] == {"value": pytest.approx(1.7), "needed": 1.5, "met": False}
+    assert targets["clients_low_answered"] == {"value": pytest.approx(0.9), "needed": 0.9, "met": True}
+    report = render(data)
+    assert "| HIGH P99 during the job / alone | 1.40× | ≤ 1.5× | met |" in report
+    assert "| HIGH P99 beside the LOW clients / alone | 1.70× | ≤ 1.5× | **not met** |" in report
+    assert "45× 200, 5× 429" in report
 
 
 def test_quick_runs_the_quick_settings_and_a_given_option_still_wins() -> None:

@@ -54,18 +54,23 @@ def test_the_reserve_grows_with_highs_recent_use() -> None:
     assert busy_reserve > 35_000  # two seconds of HIGH's use
 
 
-def test_low_gets_its_share_however_much_high_wants() -> None:
+def test_low_never_reserves_ahead_even_on_its_share_so_high_waits_only_for_its_own_tokens() -> None:
+    quota = budget(tpm=60_000, low_share=0.2)  # LOW's credit starts full: 12,000
+    quota.claim(HIGH, 60_000, now=0.0)
+    assert quota.claim(LOW, 5_000, now=1.0) == (False, pytest.approx(4.0), (0, 0))  # the bucket holds 1,000
+    assert quota.claim(HIGH, 500, now=1.0) == (True, 0.0, (0, 0))
+
+
+def test_low_gets_what_high_leaves_of_the_refill_and_high_never_waits_for_it() -> None:
     quota = budget(tpm=60_000, low_share=0.2)
     quota.claim(HIGH, 60_000, now=0.0)
     low_tokens = 0
-    for tick in range(1, 1201):  # two minutes in 0.1 s steps; HIGH asks for twice the quota
+    for tick in range(1, 1201):  # two minutes in 0.1 s steps; HIGH takes 70% of the refill
         now = tick / 10
-        quota.claim(HIGH, 200, now=now)
-        claim = quota.claim(LOW, 500, now=now)
-        if claim.granted:
+        assert quota.claim(HIGH, 70, now=now).wait_s == 0.0
+        if quota.claim(LOW, 500, now=now).granted:
             low_tokens += 500
-    # 20% of 120,000 tokens, and the credit it started with (20% of the bucket)
-    assert 24_000 <= low_tokens <= 24_000 + 12_000 + 500
+    assert 33_000 <= low_tokens <= 36_000  # the other 30% of 120,000, less what is left in the bucket
 
 
 def test_pacing_never_overdraws_the_providers_own_bucket() -> None:
@@ -131,14 +136,19 @@ def test_a_call_larger_than_the_bucket_is_sent_when_the_bucket_is_full() -> None
     assert quota.claim(HIGH, 5_000, now=0.0) == (True, 0.0, (0, 0))
 
 
-def test_a_high_lease_is_granted_only_from_what_the_bucket_holds_now_and_at_most_two_percent() -> None:
+def test_a_lease_is_granted_only_from_what_the_bucket_holds_now_at_most_two_percent_and_lows_above_the_reserve(
+) -> None:
     quota = budget(rpm=6_000, tpm=600_000)
     assert quota.claim(HIGH, 100, now=0.0, lease=(4, 400)).leased == (4, 400)
     assert quota.claim(HIGH, 100, now=0.0, lease=(500, 400)).leased == (120, 400)  # 2% of 6,000
+    assert quota.claim(LOW, 100, now=0.0, lease=(4, 400)).leased == (4, 400)
+    assert quota.lease(LOW, (4, 400), now=0.0) == (4, 400)
     small = budget(rpm=20, tpm=60_000)
     assert small.claim(HIGH, 100, now=0.0, lease=(4, 400)).leased == (0, 0)  # 2% of 20 is no whole call
-    quota.claim(HIGH, 599_000, now=0.0)
-    assert quota.claim(HIGH, 10, now=0.0, lease=(4, 400)).leased == (0, 0)
+    quota.claim(HIGH, 588_600, now=0.0)  # 9,500 tokens left, under HIGH's reserve (two seconds of its recent use)
+    assert quota.lease(LOW, (4, 400), now=0.0) == (0, 0)
+    assert quota.lease(HIGH, (4, 400), now=0.0) == (4, 400)
+    assert quota.claim(HIGH, 10_000, now=0.0, lease=(4, 400)).leased == (0, 0)
 
 
 def test_a_model_without_limits_grants_everything_and_is_not_limited() -> None:

@@ -8,13 +8,12 @@ import logging
 
 import pytest
 
-from batching import Priority, is_retryable
+from batching import AdaptiveBatcher, BatcherConfig, Postponed, Priority
 from deployments.errors import UpstreamRateLimited
-from deployments.model.backends import UpstreamError
 from deployments.model.quota.budget import Limits, QuotaBudget
-from deployments.model.quota.limiter import Answer, Report, answer, apply_reports
+from deployments.model.quota.limiter import Answer, Report, answer, apply_reports, renewal
 from deployments.model.quota.metrics import QuotaMetrics
-from deployments.model.quota.pacer import PacedInput, QuotaPacer
+from deployments.model.quota.pacer import LEASE_TTL_S, PacedInput, QuotaPacer
 from deployments.wire import Deadline
 
 pytestmark = pytest.mark.looptime
@@ -28,6 +27,7 @@ class InProcessLedger:
     def __init__(self, limits: Limits) -> None:
         self.budget = QuotaBudget(limits, asyncio.get_running_loop().time())
         self.claims = 0
+        self.renewals = 0
         self.reports: list[Report] = []
 
     async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
@@ -36,12 +36,17 @@ class InProcessLedger:
         self.reports += reports
         return answer(self.budget, priority, tokens, max_wait_s, lease, reports, asyncio.get_running_loop().time())
 
+    async def renew(self, priority: Priority, lease: tuple[int, int], reports: list[Report]) -> Answer:
+        self.renewals += 1
+        self.reports += reports
+        return renewal(self.budget, priority, lease, reports, asyncio.get_running_loop().time())
+
     async def report(self, reports: list[Report]) -> None:
         self.reports += reports
         apply_reports(self.budget, reports, asyncio.get_running_loop().time())
 
-    async def release(self, tokens: int) -> None:
-        self.budget.release(tokens, asyncio.get_running_loop().time())
+    async def release(self, requests: int, tokens: int) -> None:
+        self.budget.release(tokens, asyncio.get_running_loop().time(), requests)
 
 
 class Unreachable:
@@ -123,10 +128,10 @@ async def test_past_the_cap_an_input_is_429_if_its_deadline_comes_first_else_que
     inputs = [PacedInput("soon", 500, HIGH, Deadline.after(0.9)), PacedInput("later", 500, HIGH, Deadline.after(9.0))]
     soon, later = await pacer.paced(inputs, lambda: sent(inputs))  # held in 1 s: past the cap
     assert isinstance(soon, UpstreamRateLimited) and soon.retry_after_s == pytest.approx(1.0)
-    assert isinstance(later, UpstreamError) and is_retryable(later) and later.retry_after_s == pytest.approx(1.0)
+    assert isinstance(later, Postponed) and later.retry_after_s == pytest.approx(1.0)
 
 
-async def test_low_waits_for_the_budget_inside_its_deadline_and_high_goes_first() -> None:
+async def test_low_waiting_for_the_budget_holds_no_batch_slot_so_high_goes_first_and_uses_no_retry() -> None:
     limits = Limits(rpm=None, tpm=60_000, headroom=1.0, low_share=0.0)
     ledger = InProcessLedger(limits)
     pacer = pacer_on(ledger, limits)
@@ -134,15 +139,20 @@ async def test_low_waits_for_the_budget_inside_its_deadline_and_high_goes_first(
     ledger.budget.claim(HIGH, 60_000, now=loop.time())
     finished: dict[str, float] = {}
 
-    async def run(name: str, inputs: list[PacedInput]) -> None:
-        await pacer.paced(inputs, lambda: sent(inputs))
-        finished[name] = loop.time()
+    async def process(inputs: list[PacedInput]) -> list[object]:
+        return list(await pacer.paced(inputs, lambda: sent(inputs)))
 
-    low = asyncio.create_task(run("low", batch(LOW, 3_000, timeout_s=30.0)))
-    await asyncio.sleep(0.5)
-    await run("high", batch(HIGH, 3_000))
-    await low
-    assert finished["high"] == pytest.approx(3.0)  # not behind LOW, which asked first
+    config = BatcherConfig(max_batch_size=8, max_wait_ms=0.0, max_concurrent_batches=1, max_retries=0)
+    async with AdaptiveBatcher(process, config) as batcher:
+        async def run(name: str, priority: Priority) -> None:
+            assert await batcher.submit(PacedInput(name, 3_000, priority, None), priority=priority) == name
+            finished[name] = loop.time()
+
+        low = asyncio.create_task(run("low", LOW))  # in the only slot first
+        await asyncio.sleep(0.5)
+        await run("high", HIGH)
+        await low
+    assert finished["high"] == pytest.approx(3.0)  # its own 3,000 tokens' refill, not behind LOW, which asked first
     assert finished["low"] >= 7.0  # after HIGH's 3,000, its own 3,000 and a second kept back for HIGH
 
 
@@ -173,22 +183,64 @@ async def test_a_call_the_budget_holds_in_time_but_past_the_cap_is_queued_again_
     await pacer.paced(inputs, slow)  # leaves 57,000 (with a lease of 1,200)
     ledger.budget.claim(HIGH, 55_400, now=asyncio.get_running_loop().time())  # the next call: 0.4 s short
     (later, _) = await pacer.paced(inputs, slow)  # 0.4 s + twice the last call's 0.2 s would pass the cap
-    assert isinstance(later, UpstreamError) and is_retryable(later)
-    assert (later.status, later.retry_after_s) == (429, pytest.approx(0.4))
+    assert isinstance(later, Postponed) and later.retry_after_s == pytest.approx(0.4)
     await asyncio.sleep(0.35)
     assert await pacer.paced(inputs, slow) == ["text 0", "text 1"]  # 0.05 s + 2 x 0.2 s fit
 
 
-async def test_high_calls_spend_a_lease_without_asking_the_shared_budget_each_time() -> None:
-    limits = Limits(rpm=6_000, tpm=600_000)
+class SlowLedger(InProcessLedger):
+    """The actor 5 ms away: a call that waits for it is seen on the clock."""
+
+    async def claim(self, *args: object) -> Answer:
+        await asyncio.sleep(0.005)
+        return await super().claim(*args)
+
+    async def renew(self, *args: object) -> Answer:
+        await asyncio.sleep(0.005)
+        return await super().renew(*args)
+
+
+async def test_far_from_the_limits_calls_spend_leases_renewed_ahead_and_the_budget_hears_of_them_seldom() -> None:
+    limits = Limits(rpm=10**8, tpm=10**9)
+    ledger = SlowLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    loop = asyncio.get_running_loop()
+    waited = {HIGH: [], LOW: []}
+    for call in range(300):  # 3 s of 100 calls a second of each priority, each a little larger than the last
+        for priority in (HIGH, LOW):
+            inputs = batch(priority, 100 + 2 * call)
+            asked = loop.time()
+            await pacer.paced(inputs, lambda: sent(inputs))
+            waited[priority].append(loop.time() - asked)
+        await asyncio.sleep(0.01)
+    for priority in (HIGH, LOW):  # only the first call of each waited for the actor
+        assert [wait > 0 for wait in waited[priority]] == [True] + [False] * 299
+    assert ledger.claims + ledger.renewals <= 2 * (1 + 3 * 3)  # 600 calls; a few renewals a second of each
+    assert ledger.budget.remaining(LOW, now=loop.time())["requests"] < 10**8 * 0.9 - 600  # every call counted
+
+
+async def test_near_the_limits_no_lease_fits_and_every_call_is_claimed_on_its_own() -> None:
+    limits = Limits(rpm=20, tpm=None)  # 2% of 18 is no whole call
     ledger = InProcessLedger(limits)
     pacer = pacer_on(ledger, limits)
-    for _ in range(6):
-        inputs = batch(HIGH, 100)
+    for priority in (HIGH, LOW, HIGH):
+        inputs = batch(priority, 100)
         await pacer.paced(inputs, lambda: sent(inputs))
-    assert ledger.claims == 2  # each claim leased four more calls
-    assert ledger.budget.remaining(HIGH, now=asyncio.get_running_loop().time())["requests"] == pytest.approx(
-        5_400 - 10, abs=0.1)  # the leased calls were counted as spent
+    assert (ledger.claims, ledger.renewals) == (3, 0)
+
+
+async def test_a_lease_not_spent_goes_back_to_the_shared_budget() -> None:
+    limits = Limits(rpm=60_000, tpm=None, headroom=1.0)  # 1,000 calls a second come back
+    ledger = InProcessLedger(limits)
+    pacer = pacer_on(ledger, limits)
+    loop = asyncio.get_running_loop()
+    ledger.budget.claim(HIGH, 0, now=loop.time(), requests=30_000)
+    inputs = batch(HIGH, 100)
+    await pacer.paced(inputs, lambda: sent(inputs))  # one call, and a lease of four
+    await asyncio.sleep(LEASE_TTL_S - 0.01)
+    assert ledger.budget.remaining(HIGH, now=loop.time())["requests"] == pytest.approx(30_000 - 5 + 4_990)
+    await asyncio.sleep(0.02)
+    assert ledger.budget.remaining(HIGH, now=loop.time())["requests"] == pytest.approx(30_000 - 1 + 5_010)
 
 
 async def test_an_unreachable_limiter_means_pacing_alone_on_an_equal_share_never_a_failure(

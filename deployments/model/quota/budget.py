@@ -7,10 +7,15 @@ the provider's own. A claim is one upstream call: one request and its tokens.
 - HIGH has first claim: it is granted at once, or reserved for the moment the bucket will hold it (the level goes
   below zero; later claims wait behind that debt), unless that moment is past its deadline.
 - LOW is granted only when it leaves HIGH a reserve: a second of refill, or two seconds of HIGH's recent use,
-  whichever is more. It never reserves ahead, so a HIGH claim never waits behind a LOW one; it is told when to ask
-  again instead.
-- LOW is owed ``low_share`` of the refill however busy HIGH is: a credit that grows at that rate (up to that share of
-  the bucket) and lets a LOW claim in past the reserve, queueing like HIGH.
+  whichever is more. It never reserves ahead, so a HIGH claim never waits behind a LOW one, whatever LOW asks for;
+  it is told when to ask again instead.
+- LOW is owed ``low_share`` of the refill: a credit that grows at that rate (up to that share of the bucket) and lets
+  a LOW claim in past the reserve, down to what the bucket holds now (never below it). HIGH's reservations come
+  first, so while HIGH alone asks for more than the limit, LOW waits.
+- A claim may come with a lease: more calls of the same priority, taken now, for the replica to spend without
+  asking (at most ``LEASE_SHARE`` of a limit, only from what the bucket holds now, and for LOW only from above
+  HIGH's reserve). Far from the limits a lease covers a replica's next second of calls; near them no lease fits and
+  every call is claimed on its own. What a replica does not spend it gives back (``release``).
 - The provider's account wins: its ``x-ratelimit-*`` headers lower the level to what it says is left (less what was
   granted since), a lower limit it reports replaces the configured one, and a 429 stops every claim for its
   Retry-After.
@@ -30,7 +35,7 @@ RESERVE_FLOOR_S = 1.0  # LOW leaves HIGH at least this much refill
 RESERVE_S = 2.0  # and at least this long of HIGH's recent use
 DEMAND_TAU_S = 10.0  # HIGH's recent use: a sum decaying with this time constant
 GRANTS_KEPT_S = 60.0  # grants remembered to reconcile a provider's report on a call granted that long ago
-LEASE_SHARE = 0.02  # a HIGH lease holds at most this share of a limit's bucket
+LEASE_SHARE = 0.02  # a lease holds at most this share of a limit's bucket
 # A limit only the provider's headers gave is forgotten when no answer has repeated it for this long: it was learned
 # from answers, and a budget that sends nothing (spent on a limit since lifted) would otherwise hear none again.
 LEARNED_FOR_S = 10.0
@@ -38,7 +43,7 @@ LEARNED_FOR_S = 10.0
 
 class Claim(NamedTuple):
     """The answer to a claim: ``granted`` (send after ``wait_s``), or not (ask again, or retry, after ``wait_s``).
-    ``leased`` is the extra HIGH was also granted, to spend later without asking (requests, tokens)."""
+    ``leased`` is the extra the claim was also granted, to spend later without asking (requests, tokens)."""
 
     granted: bool
     wait_s: float
@@ -168,8 +173,8 @@ class QuotaBudget:
 
     def claim(self, priority: Priority, tokens: int, now: float, *, max_wait_s: float | None = None,
               requests: int = 1, lease: tuple[int, int] = (0, 0)) -> Claim:
-        """Claim one upstream call's ``requests`` and ``tokens``; HIGH may ask for a ``lease`` on top, granted only
-        if the bucket holds it now."""
+        """Claim one upstream call's ``requests`` and ``tokens``, and a ``lease`` on top if the bucket holds it now
+        (granted only with a call granted at once)."""
         self._advance(now)
         amounts = {"requests": requests, "tokens": tokens}
         buckets = self._buckets
@@ -178,24 +183,27 @@ class QuotaBudget:
             if max_wait_s is not None and wait > max_wait_s:
                 return Claim(False, wait)
             self._take(amounts, now, high=True)
-            return Claim(True, wait, self._lease(lease, now) if wait == 0 else (0, 0))
+            return Claim(True, wait, self._lease(priority, lease, now) if wait == 0 else (0, 0))
         free_wait = max(bucket.wait_s(amounts[kind], bucket.reserve()) for kind, bucket in buckets.items())
         if free_wait == 0:
             self._take(amounts, now)
-            return Claim(True, 0.0)
+            return Claim(True, 0.0, self._lease(priority, lease, now))
         credit_wait = max(bucket.credit_wait_s(amounts[kind]) for kind, bucket in buckets.items())
-        if credit_wait == 0:  # LOW's share, queued like HIGH
-            wait = max(bucket.wait_s(amounts[kind]) for kind, bucket in buckets.items())
-            if max_wait_s is None or wait <= max_wait_s:
-                self._take(amounts, now)
-                for kind, bucket in buckets.items():
-                    bucket.credit -= amounts[kind]
-                return Claim(True, wait)
-            return Claim(False, wait)
-        return Claim(False, min(free_wait, credit_wait))
+        held_wait = max(bucket.wait_s(amounts[kind]) for kind, bucket in buckets.items())
+        if credit_wait == 0 and held_wait == 0:  # LOW's share, from what the bucket holds now
+            self._take(amounts, now)
+            for kind, bucket in buckets.items():
+                bucket.credit -= amounts[kind]
+            return Claim(True, 0.0)
+        return Claim(False, min(free_wait, max(credit_wait, held_wait)))
+
+    def lease(self, priority: Priority, wanted: tuple[int, int], now: float) -> tuple[int, int]:
+        """A lease alone (requests, tokens): as much of ``wanted`` as a lease may hold, if the bucket holds it now."""
+        self._advance(now)
+        return self._lease(priority, wanted, now)
 
     def release(self, tokens: int, now: float, requests: int = 1) -> None:
-        """A granted call that was never sent gives back what it took."""
+        """Give back what was taken and not sent: a granted call cancelled before it was, a lease not spent."""
         self._advance(now)
         for kind, amount in zip(KINDS, (requests, tokens)):
             bucket = self._buckets[kind]
@@ -230,13 +238,17 @@ class QuotaBudget:
             if bucket.limit is not None:
                 bucket.level = min(bucket.level, -retry_after_s * bucket.rate)
 
-    def _lease(self, lease: tuple[int, int], now: float) -> tuple[int, int]:
-        """As much of ``lease`` as a lease may hold, if the bucket holds it now; else nothing."""
-        amounts = {kind: int(min(wanted, LEASE_SHARE * bucket.capacity))
-                   for (kind, bucket), wanted in zip(self._buckets.items(), lease)}
-        if amounts["requests"] < 1 or any(bucket.level < amounts[kind] for kind, bucket in self._buckets.items()):
+    def _lease(self, priority: Priority, wanted: tuple[int, int], now: float) -> tuple[int, int]:
+        """As much of ``wanted`` as a lease may hold, if the bucket holds it now (LOW's: above HIGH's reserve); else
+        nothing."""
+        amounts = {kind: int(min(amount, LEASE_SHARE * bucket.capacity))
+                   for (kind, bucket), amount in zip(self._buckets.items(), wanted)}
+        high = priority is Priority.HIGH
+        if amounts["requests"] < 1 or any(
+                bucket.limit is not None and bucket.level - (0.0 if high else bucket.reserve()) < amounts[kind]
+                for kind, bucket in self._buckets.items()):
             return (0, 0)
-        self._take(amounts, now, high=True)
+        self._take(amounts, now, high=high)
         return amounts["requests"], amounts["tokens"]
 
     def _take(self, amounts: dict[str, int], now: float, *, high: bool = False) -> None:

@@ -46,18 +46,31 @@ class QuotaLimiter:
                     reports: list[Report]) -> Answer:
         return answer(self._budget, Priority(priority), tokens, max_wait_s, lease, reports, time.monotonic())
 
+    async def renew(self, priority: int, lease: tuple[int, int], reports: list[Report]) -> Answer:
+        return renewal(self._budget, Priority(priority), lease, reports, time.monotonic())
+
     async def report(self, reports: list[Report]) -> None:
         apply_reports(self._budget, reports, time.monotonic())
 
-    async def release(self, tokens: int) -> None:
-        self._budget.release(tokens, time.monotonic())
+    async def release(self, requests: int, tokens: int) -> None:
+        self._budget.release(tokens, time.monotonic(), requests)
 
 
 def answer(budget: QuotaBudget, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
            reports: list[Report], now: float) -> Answer:
     """A claim on ``budget`` after the ``reports`` it comes with (the actor's and a replica's own budget alike)."""
     apply_reports(budget, reports, now)
-    claim = budget.claim(priority, tokens, now, max_wait_s=max_wait_s, lease=lease)
+    return _answer(budget, budget.claim(priority, tokens, now, max_wait_s=max_wait_s, lease=lease), now)
+
+
+def renewal(budget: QuotaBudget, priority: Priority, lease: tuple[int, int], reports: list[Report],
+            now: float) -> Answer:
+    """A lease alone on ``budget`` (its claim granted, with nothing but the lease), after the ``reports``."""
+    apply_reports(budget, reports, now)
+    return _answer(budget, Claim(True, 0.0, budget.lease(priority, lease, now)), now)
+
+
+def _answer(budget: QuotaBudget, claim: Claim, now: float) -> Answer:
     remaining = {level.name.lower(): budget.remaining(level, now) for level in Priority}
     return Answer(claim, remaining, budget.limited)
 

@@ -2,13 +2,18 @@
 
 ``QuotaPacer.paced`` wraps one batch's upstream call (its inputs are ``PacedInput``: a batch never mixes
 priorities, so the first input's is the batch's). The claim goes to the ``QuotaLimiter`` actor, with what the
-provider's last responses said; a HIGH claim also asks for a small lease, so the next few HIGH calls are granted here
-without a round trip. If the actor cannot be reached, the replica paces alone on an equal share of the limits
-(limits / replicas) for a while, says so in a metric and a log line, and then tries the actor again: a request never
-fails because the limiter is down.
+provider's last responses said, and asks for a lease: the calls of that priority this replica will make in the next
+second or so, granted here from then on without a round trip. A lease is renewed in the background when half of it
+is spent, so while the budget is far from its limits a call never waits for the actor and the actor hears from a
+replica a few times a second whatever the request rate; near the limits the budget lends nothing and every call is
+claimed on its own. A lease not spent within ``LEASE_TTL_S`` goes back. If the actor cannot be reached, the replica
+paces alone on an equal share of the limits (limits / replicas) for a while, says so in a metric and a log line, and
+then tries the actor again: a request never fails because the limiter is down.
 
-A claim the budget cannot grant before the batch's latest deadline is not sent: its inputs end in a 429 whose
-Retry-After is when the budget will hold them.
+A HIGH call waits for its reservation (HIGH reserves ahead); a LOW call the budget does not hold now is postponed:
+it leaves its batch slot at once and the batcher queues it again for when the budget will hold it, so LOW waiting for
+quota holds neither a slot nor the budget's queue ahead of HIGH. A claim the budget cannot grant before the batch's
+latest deadline is not sent: its inputs end in a 429 whose Retry-After is when the budget will hold them.
 """
 
 from __future__ import annotations
@@ -21,10 +26,9 @@ import math
 import time
 from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequence
 
-from batching import Priority
+from batching import Postponed, Priority
 
 from deployments.errors import UpstreamRateLimited
-from deployments.model.backends.base import UpstreamError
 from deployments.model.quota.budget import Account, Claim, Limits, QuotaBudget
 from deployments.model.quota.headers import provider_accounts
 from deployments.model.quota.limiter import Answer, Report, connect
@@ -35,9 +39,11 @@ logger = logging.getLogger("ray.serve")
 
 CALL_TIMEOUT_S = 1.0  # an actor that takes longer to answer a claim counts as unreachable
 ALONE_S = 5.0  # after the actor failed, pace alone this long before asking it again
-MIN_POLL_S = 0.01  # a LOW claim asks again no sooner than this
-LEASE_CALLS = 4  # a HIGH lease holds about this many calls
-LEASE_TTL_S = 5.0  # a lease not spent by then is dropped (it was counted as spent when granted)
+MIN_POLL_S = 0.01  # a postponed call asks again no sooner than this
+LEASE_CALLS = 4  # a lease asks for at least this many calls
+LEASE_S = 1.0  # ... and for the calls of this long at their recent rate
+MIN_GAP_S = 0.001  # calls closer than this are counted this far apart (a lease's size stays finite)
+LEASE_TTL_S = 5.0  # a lease not spent by then goes back to the shared budget
 MAX_REPORTS = 8  # provider reports kept for the next claim (the latest matter)
 CALL_ROOM = 2.0  # a wait leaves this many times an upstream call's recent mean duration before the cap or deadline
 _CALL_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("quota_call_started")
@@ -68,9 +74,11 @@ class SharedLedger(Protocol):
     async def claim(self, priority: Priority, tokens: int, max_wait_s: float | None, lease: tuple[int, int],
                     reports: list[Report]) -> Answer: ...
 
+    async def renew(self, priority: Priority, lease: tuple[int, int], reports: list[Report]) -> Answer: ...
+
     async def report(self, reports: list[Report]) -> None: ...
 
-    async def release(self, tokens: int) -> None: ...
+    async def release(self, requests: int, tokens: int) -> None: ...
 
 
 class RemoteLedger:
@@ -96,13 +104,21 @@ class RemoteLedger:
             self._forget_if_dead(exc)
             raise
 
+    async def renew(self, priority: Priority, lease: tuple[int, int], reports: list[Report]) -> Answer:
+        actor = await self._connected()
+        try:
+            return await actor.renew.remote(int(priority), lease, reports)
+        except Exception as exc:
+            self._forget_if_dead(exc)
+            raise
+
     async def report(self, reports: list[Report]) -> None:
         actor = await self._connected()
         actor.report.remote(reports)
 
-    async def release(self, tokens: int) -> None:
+    async def release(self, requests: int, tokens: int) -> None:
         actor = await self._connected()
-        actor.release.remote(tokens)
+        actor.release.remote(requests, tokens)
 
     def _connect(self) -> None:
         import ray
@@ -136,6 +152,56 @@ class RemoteLedger:
 _CONNECTING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quota-connect")
 
 
+class _Lease:
+    """What the shared budget lent this replica for one priority's calls, and how those calls come (which sizes the
+    next lease)."""
+
+    __slots__ = ("requests", "tokens", "until", "renewing", "gap_s", "call_tokens", "last_call")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self.until = -math.inf
+        self.renewing = False
+        self.gap_s = math.inf  # the recent mean time between calls
+        self.call_tokens = 0.0  # the recent mean tokens of a call
+        self.last_call: float | None = None
+
+    def called(self, tokens: int, now: float) -> None:
+        self.call_tokens += (tokens - self.call_tokens) / 8 if self.call_tokens else tokens
+        if self.last_call is not None:
+            gap = max(MIN_GAP_S, now - self.last_call)
+            self.gap_s = gap if math.isinf(self.gap_s) else self.gap_s + (gap - self.gap_s) / 8
+        self.last_call = now
+
+    def wanted(self) -> tuple[int, int]:
+        """The calls of the next ``LEASE_S`` at the recent rate (at least ``LEASE_CALLS``), and their tokens."""
+        calls = max(LEASE_CALLS, math.ceil(LEASE_S / self.gap_s))
+        return calls, math.ceil(calls * self.call_tokens)
+
+    def short(self) -> bool:
+        """Less than half a lease's worth of calls or of tokens left: time to ask for more, before it runs out."""
+        calls, tokens = self.wanted()
+        return self.requests * 2 < calls or self.tokens * 2 < tokens
+
+    def spend(self, tokens: int, now: float) -> bool:
+        if now >= self.until or self.requests < 1 or self.tokens < tokens:
+            return False
+        self.requests -= 1
+        self.tokens -= tokens
+        return True
+
+    def add(self, leased: tuple[int, int], until: float) -> None:
+        self.requests += leased[0]
+        self.tokens += leased[1]
+        self.until = until
+
+    def take_all(self) -> tuple[int, int]:
+        held = self.requests, self.tokens
+        self.requests = self.tokens = 0
+        return held
+
+
 class QuotaPacer:
     def __init__(self, limits: Limits, shared: SharedLedger, *, replicas: int, metrics: QuotaMetrics | None = None,
                  max_wait_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -152,15 +218,15 @@ class QuotaPacer:
         self._limited = limits.rpm is not None or limits.tpm is not None
         self._reports: list[Report] = []
         self._report_times: list[float] = []
-        self._lease = [0, 0]
-        self._lease_until = -math.inf
-        self._high_tokens = 0.0  # mean tokens of a HIGH call, for the lease's size
+        self._leases = {priority: _Lease() for priority in Priority}
+        self._renewals: set[asyncio.Task] = set()
 
     async def paced(self, inputs: Sequence[PacedInput],
                     send: Callable[[], Awaitable[Sequence[Any]]]) -> Sequence[Any]:
-        """``send()``'s results once the budget holds this call. If it will not within ``max_wait_s`` or before the
-        batch's latest deadline, each input whose deadline comes first ends in a 429 saying when the budget will
-        hold it, and the others fail retryably: the batcher queues them again for that moment (with what queued
+        """``send()``'s results once the budget holds this call: a HIGH call waits here for its reservation. A LOW
+        call the budget does not hold now, or a HIGH one it will not hold within ``max_wait_s`` or before the batch's
+        latest deadline, is not sent: each input whose deadline comes first ends in a 429 saying when the budget
+        will hold it, and the others are postponed, queued again by the batcher for that moment (with what queued
         since, in a larger batch)."""
         first = inputs[0]
         tokens = sum(item.tokens for item in inputs)
@@ -188,14 +254,13 @@ class QuotaPacer:
         return CALL_ROOM * self._call_s
 
     def _not_now(self, inputs: Sequence[PacedInput], wait_s: float) -> list[Exception]:
-        """Each input's 429 if the budget holds the call only after its deadline, else a retryable failure that
-        queues it again for when the budget will hold it."""
+        """Each input's 429 if the budget holds the call only after its deadline, else ``Postponed``: the batcher
+        queues it again for when the budget will hold it, and its slot serves others meanwhile."""
         sent_by = asyncio.get_running_loop().time() + wait_s + self._call_room_s
         late = UpstreamRateLimited(
             f"the upstream's quota will not hold this request within its deadline; retry in {wait_s:.1f}s",
             retry_after_s=wait_s)
-        later = UpstreamError(f"the upstream's quota holds this call in {wait_s:.3f}s", status=429, retryable=True,
-                              retry_after_s=wait_s)
+        later = Postponed(max(MIN_POLL_S, wait_s), "the upstream's quota holds this call later")
         outcomes: list[Exception] = [late if item.deadline is not None and item.deadline.at < sent_by else later
                                      for item in inputs]
         refused = sum(outcome is late for outcome in outcomes)
@@ -220,79 +285,101 @@ class QuotaPacer:
         self._report_times.append(called_at)
         del self._reports[:-MAX_REPORTS], self._report_times[:-MAX_REPORTS]
         if refused_for_s is not None:  # the others wait for the next claim; this one stops every replica now
-            asyncio.get_running_loop().create_task(self._report_now())
+            for lease in self._leases.values():
+                lease.take_all()  # the provider says there is nothing left to lend
+            self._background(self._report_now())
 
     # ---- claiming -------------------------------------------------------------------------------------------
 
     async def _acquire(self, priority: Priority, tokens: int, max_wait_s: float | None) -> None:
         started = self._clock()
-        if priority is Priority.HIGH:
-            self._high_tokens += (tokens - self._high_tokens) / 8 if self._high_tokens else tokens
-            if self._from_lease(tokens, started):
-                self._granted(priority, tokens, started)
-                return
-        deadline = None if max_wait_s is None else started + max_wait_s
-        while True:
-            left = None if deadline is None else deadline - self._clock()
-            claim, shared = await self._claim(priority, tokens, left)
-            if claim.granted:
-                if claim.wait_s > 0:
-                    try:
-                        await asyncio.sleep(claim.wait_s)
-                    except asyncio.CancelledError:  # never sent: what it reserved goes back
-                        self._release(tokens, shared)
-                        raise
-                self._granted(priority, tokens, started)
-                return
-            left = None if deadline is None else deadline - self._clock()
-            if left is not None and claim.wait_s > left:
-                raise _NotInTime(claim.wait_s)
-            await asyncio.sleep(max(MIN_POLL_S, claim.wait_s))
+        lease = self._leases[priority]
+        lease.called(tokens, started)
+        if lease.spend(tokens, started):
+            self._granted(priority, tokens, started)
+            self._renew_if_short(priority)
+            return
+        claim, shared = await self._claim(priority, tokens, max_wait_s)
+        if not claim.granted:  # LOW not held now, HIGH not in time: the batch leaves its slot
+            raise _NotInTime(claim.wait_s)
+        if claim.wait_s > 0:  # HIGH's reservation
+            try:
+                await asyncio.sleep(claim.wait_s)
+            except asyncio.CancelledError:  # never sent: what it reserved goes back
+                self._release(tokens, shared)
+                raise
+        self._granted(priority, tokens, started)
 
     def _granted(self, priority: Priority, tokens: int, started: float) -> None:
         self._metrics.used(priority, 1, tokens)
         self._metrics.waited(priority, self._clock() - started)
-
-    def _from_lease(self, tokens: int, now: float) -> bool:
-        lease = self._lease
-        if now >= self._lease_until or lease[0] < 1 or lease[1] < tokens:
-            return False
-        lease[0] -= 1
-        lease[1] -= tokens
-        return True
 
     async def _claim(self, priority: Priority, tokens: int, max_wait_s: float | None) -> tuple[Claim, bool]:
         """The claim's answer, and whether the shared budget gave it."""
         now = self._clock()
         if not self._limited and not self._reports:
             return Claim(True, 0.0), False  # no limit known anywhere: nothing to pace
-        wants = (LEASE_CALLS, int(LEASE_CALLS * self._high_tokens)) if priority is Priority.HIGH else (0, 0)
         if self._alone_until is None or now >= self._alone_until:
+            wants = self._leases[priority].wanted()
             reports = self._take_reports(now)
             try:
-                result = await asyncio.wait_for(self._shared.claim(priority, tokens, max_wait_s, wants, reports),
-                                                CALL_TIMEOUT_S)
+                result = await asyncio.wait_for(
+                    self._shared.claim(priority, tokens, max_wait_s, wants, _aged(reports, now)), CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - whatever it is, the replica paces alone
+                self._restore_reports(reports)
                 self._go_alone(exc)
             else:
-                self._back(result)
+                self._back(result, priority)
                 return result.claim, True
         return self._alone.claim(priority, tokens, self._clock(), max_wait_s=max_wait_s), False
 
-    def _release(self, tokens: int, shared: bool) -> None:
+    def _release(self, tokens: int, shared: bool, requests: int = 1) -> None:
         if not shared:
-            self._alone.release(tokens, self._clock())
+            self._alone.release(tokens, self._clock(), requests)
             return
 
         async def release() -> None:
             try:
-                await asyncio.wait_for(self._shared.release(tokens), CALL_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a reservation lost costs a moment of the budget, nothing more
+                await asyncio.wait_for(self._shared.release(requests, tokens), CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - what is lost costs a moment of the budget, nothing more
                 pass
 
-        asyncio.get_running_loop().create_task(release())
+        self._background(release())
 
-    def _back(self, result: Answer) -> None:
+    def _renew_if_short(self, priority: Priority) -> None:
+        lease = self._leases[priority]
+        if not lease.renewing and self._alone_until is None and lease.short():
+            lease.renewing = True
+            self._background(self._renew(priority))
+
+    async def _renew(self, priority: Priority) -> None:
+        lease = self._leases[priority]
+        reports = self._take_reports(self._clock())
+        try:
+            result = await asyncio.wait_for(
+                self._shared.renew(priority, lease.wanted(), _aged(reports, self._clock())), CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the replica paces alone
+            self._restore_reports(reports)
+            self._go_alone(exc)
+        else:
+            self._back(result, priority)
+        finally:
+            lease.renewing = False
+
+    def _expire(self, priority: Priority) -> None:
+        """A lease not renewed within ``LEASE_TTL_S`` of its last grant: what is left of it goes back."""
+        lease = self._leases[priority]
+        if self._clock() >= lease.until:
+            requests, tokens = lease.take_all()
+            if requests:
+                self._release(tokens, True, requests)
+
+    def _background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._renewals.add(task)
+        task.add_done_callback(self._renewals.discard)
+
+    def _back(self, result: Answer, priority: Priority) -> None:
         if self._alone_until is not None:
             logger.warning("quota: the shared budget answers again; this replica stops pacing alone")
             self._metrics.fallback(False)
@@ -302,8 +389,8 @@ class QuotaPacer:
             for kind, amount in amounts.items():
                 self._metrics.remaining(Priority[priority_name.upper()], kind, amount)
         if result.claim.leased[0]:
-            self._lease = list(result.claim.leased)
-            self._lease_until = self._clock() + LEASE_TTL_S
+            self._leases[priority].add(result.claim.leased, self._clock() + LEASE_TTL_S)
+            asyncio.get_running_loop().call_later(LEASE_TTL_S, self._expire, priority)
 
     def _go_alone(self, exc: BaseException) -> None:
         first = self._alone_until is None
@@ -313,19 +400,31 @@ class QuotaPacer:
                            "the limits", type(exc).__name__, exc, self._replicas)
             self._metrics.fallback(True)
 
-    def _take_reports(self, now: float) -> list[Report]:
-        reports = [report._replace(age_s=now - called_at)
-                   for report, called_at in zip(self._reports, self._report_times)]
+    def _take_reports(self, now: float) -> list[tuple[Report, float]]:
+        taken = list(zip(self._reports, self._report_times))
         self._reports, self._report_times = [], []
-        return reports
+        return taken
+
+    def _restore_reports(self, taken: list[tuple[Report, float]]) -> None:
+        """Reports a call failed to deliver go with the next one (before any that came since)."""
+        self._reports[:0] = [report for report, _ in taken]
+        self._report_times[:0] = [called_at for _, called_at in taken]
+        del self._reports[:-MAX_REPORTS], self._report_times[:-MAX_REPORTS]
 
     async def _report_now(self) -> None:
         if self._alone_until is not None:
             return
+        reports = self._take_reports(self._clock())
         try:
-            await asyncio.wait_for(self._shared.report(self._take_reports(self._clock())), CALL_TIMEOUT_S)
+            await asyncio.wait_for(self._shared.report(_aged(reports, self._clock())), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
+            self._restore_reports(reports)
             self._go_alone(exc)
+
+
+def _aged(taken: list[tuple[Report, float]], now: float) -> list[Report]:
+    """The reports as sent: each with the age of the call it answered."""
+    return [report._replace(age_s=now - called_at) for report, called_at in taken]
 
 
 def _share(account: Account, replicas: int) -> Account:
