@@ -3,6 +3,10 @@ for a mapping of model names to handles, and ``EmbeddingsIngress`` is the Serve 
 
 Routes: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /healthz``. Every error,
 including malformed bodies and unknown routes, is answered in OpenAI's shape ``{"error": {...}}``.
+
+``POST /v1/embeddings`` goes straight from the ASGI call to its handler; the other routes go through FastAPI's
+routing, middleware and exception handlers. The embeddings handler reads its own body and headers, so FastAPI would
+add nothing to it but the CPU of its layers, paid on every request of the path the service's throughput rests on.
 """
 
 import asyncio
@@ -18,6 +22,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from deployments.config import DEFAULT_MAX_BODY_BYTES
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
@@ -45,11 +50,12 @@ DEADLINE_MARGIN_S = 0.25
 # Serve refuses a call once every replica's queue is full (sizing.py's max_queued_requests), and says nothing of
 # when room will come; the model's own refusals carry a Retry-After from its drain rate (batching/admission.py).
 REPLICAS_FULL_RETRY_AFTER_S = 1.0
+EMBEDDINGS_PATH = "/v1/embeddings"
 
 
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
-               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> FastAPI:
+               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
@@ -60,11 +66,42 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_api_route("/v1/embeddings", routes.create_embeddings, methods=["POST"])
+    # named for Serve's route labels, and so another method gets a 405; a POST takes the direct path
+    app.add_api_route(EMBEDDINGS_PATH, routes.create_embeddings, methods=["POST"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
-    return app
+    return EmbeddingsApi(app, routes)
+
+
+class EmbeddingsApi:
+    """The API as an ASGI app: ``POST /v1/embeddings`` to its handler directly, everything else to ``app``. Its
+    ``routes`` and ``router`` are ``app``'s, so Serve names each request's route as before."""
+
+    def __init__(self, app: FastAPI, routes: "_Routes") -> None:
+        self._app = app
+        self._routes = routes
+
+    @property
+    def routes(self) -> list[Any]:
+        return self._app.routes
+
+    @property
+    def router(self) -> Any:
+        return self._app.router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and _route_path(scope) == EMBEDDINGS_PATH:
+            request = Request(scope, receive)
+            try:
+                response = await self._routes.create_embeddings(request)
+            except ServiceError as exc:
+                response = await _service_error(request, exc)
+            except Exception as exc:  # noqa: BLE001 - answered as FastAPI's handler for it answers the other routes
+                response = await _unexpected_error(request, exc)
+            await response(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
 
 
 @serve.deployment
@@ -79,7 +116,7 @@ class EmbeddingsIngress:
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    def __serve_build_asgi_app__(self) -> EmbeddingsApi:
         return self._api
 
 
@@ -215,6 +252,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(ServiceError("the server failed to process the request"))
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path below the application's route prefix (Serve sets it as ``root_path``)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _answer_by(timeout_s: float | None) -> Deadline | None:
