@@ -58,5 +58,5 @@ def bind_model(model: ModelConfig) -> Application:
 
 def bind_ingress(config: AppConfig, models: Mapping[str, Application]) -> Application:
     return EmbeddingsIngress.options(**ingress_deployment_options(config)).bind(
-        dict(models), max_body_bytes=config.ingress.max_body_bytes
+        dict(models), max_body_bytes=config.ingress.max_body_bytes, batch=config.batch
     )

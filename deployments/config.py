@@ -13,6 +13,7 @@ args:
       cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
       limits: {rpm: 3000, tpm: 1000000, headroom: 0.9}                          # openai: QuotaLimits fields
   ingress: {max_ongoing_requests: 1024}
+  batch: {directory: /var/lib/embeddings/batch}                                  # BatchConfig fields (Batch API)
 ```
 Serve hands ``build_app`` an ``AppConfig`` (its typed application builder). Every problem is reported at once
 (an entry's cross-field rules once its fields are valid), each prefixed with where it is (``models[1].batching:``).
@@ -22,7 +23,9 @@ What the settings mean for Ray (replicas' limits, CPUs, shutdown) is decided in 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError, ValidationInfo,
@@ -127,7 +130,7 @@ class QuotaLimits(_Section):
     # the share of the limits the service spends: the rest absorbs what it cannot see (clocks, other clients)
     headroom: Annotated[float, _rule(lambda v: _is_number(v) and 0 < v <= 1, "be a number > 0 and <= 1",
                                      quoted=True)] = 0.9
-    # what LOW is owed while HIGH would take everything (HIGH has first claim on the rest)
+    # what LOW may take past the reserve kept for HIGH, from what the bucket holds (never ahead of HIGH)
     low_share: Annotated[float, _rule(lambda v: _is_number(v) and 0 <= v < 1, "be a number >= 0 and < 1",
                                       quoted=True)] = 0.1
 
@@ -337,9 +340,27 @@ class IngressConfig(_Section):
         return options
 
 
+class BatchConfig(_Section):
+    """OpenAI's Batch API (``/v1/files``, ``/v1/batches``; ``deployments/ingress/batch/``): where its files and
+    batches are kept, and its limits."""
+
+    directory: Text = None  # None: $XDG_DATA_HOME (or ~/.local/share)/adaptive-embeddings/batch
+    max_file_bytes: Annotated[int, _int_at_least(1024, " (bytes)")] = 200 * 1024 * 1024  # OpenAI's
+    max_lines: Annotated[int, _int_at_least(1)] = 50_000  # requests a batch's input file may hold (OpenAI's)
+    retention_days: Seconds = 30.0  # files and finished batches are removed this long after their creation
+
+    @property
+    def path(self) -> Path:
+        if self.directory is not None:
+            return Path(self.directory).expanduser()
+        data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        return Path(data_home) / "adaptive-embeddings" / "batch"
+
+
 class AppConfig(_Section):
     models: tuple[ModelConfig, ...]
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -367,7 +388,7 @@ class AppConfig(_Section):
             raise ValueError("; ".join(f"the name {name!r} is used more than once" for name in repeated))
         return models
 
-    @field_validator("ingress", mode="before")
+    @field_validator("ingress", "batch", mode="before")
     @classmethod
     def _unset_is_the_default(cls, section: Any) -> Any:
         return {} if section is None else section
@@ -387,7 +408,7 @@ def parse_app_config(args: Any) -> AppConfig:
 
 # The sections whose unknown keys are reported, by the setting that holds them (the top level: "").
 _SECTIONS: dict[str, type[_Section]] = {"": AppConfig, "models": ModelConfig, "cache": CacheConfig,
-                                        "ingress": IngressConfig, "limits": QuotaLimits}
+                                        "ingress": IngressConfig, "limits": QuotaLimits, "batch": BatchConfig}
 
 
 def _problems(exc: ValidationError) -> list[str]:

@@ -57,7 +57,11 @@ class ModelNotFound(ServiceError):
     pass
 
 
-class RouteNotFound(ServiceError):
+class ResourceNotFound(ServiceError):
+    """No such route, file or batch."""
+
+
+class RouteNotFound(ResourceNotFound):
     pass
 
 

@@ -30,12 +30,13 @@ def serve_instance() -> Iterator[Service]:
 
 
 @pytest.fixture(scope="session")
-def embeddings_app(serve_instance: Service) -> Service:
+def embeddings_app(serve_instance: Service, tmp_path_factory: pytest.TempPathFactory) -> Service:
     from ray import serve
 
     from deployments.app import build_app
 
-    serve.run(build_app(default_app_args()), name=APP_NAME, route_prefix="/")
+    args = {**default_app_args(), "batch": {"directory": str(tmp_path_factory.mktemp("batch"))}}
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     return serve_instance
 
 

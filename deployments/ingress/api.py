@@ -10,10 +10,11 @@ add nothing to it but the CPU of its layers, paid on every request of the path t
 """
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,12 +25,16 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from deployments.config import DEFAULT_MAX_BODY_BYTES
+from batching import Priority
+from deployments.config import DEFAULT_MAX_BODY_BYTES, BatchConfig
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
                                 PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
                                 unwrap)
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys
+from deployments.ingress.batch.routes import BatchRoutes
+from deployments.ingress.batch.runner import BatchRunner
+from deployments.ingress.batch.store import BatchStore
 from deployments.ingress.forwarding import ModelForwarder
 from deployments.ingress.metrics import ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
@@ -55,13 +60,22 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
-               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> "EmbeddingsApi":
+               unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
+               batch: BatchConfig | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
-    ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can)."""
-    routes = _Routes(models, ApiKeys([]) if api_keys is None else api_keys, max_body_bytes, on_resend, unavailable)
-    app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None)
+    ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
+    ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
+    its ASGI lifespan's startup and shutdown)."""
+    api_keys = ApiKeys([]) if api_keys is None else api_keys
+    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable)
+    runner = None
+    if batch is not None:
+        store = BatchStore(batch.path)
+        runner = BatchRunner(store, functools.partial(routes.embed_body, priority=Priority.LOW, deadline=None), batch)
+    app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=None if runner is None else functools.partial(_running, runner))
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -71,7 +85,20 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
+    if batch is not None and runner is not None:
+        BatchRoutes(store, batch, api_keys, runner.wake).add_to(app)
     return EmbeddingsApi(app, routes)
+
+
+@contextlib.asynccontextmanager
+async def _running(runner: BatchRunner, app: FastAPI) -> AsyncIterator[None]:
+    task = asyncio.ensure_future(runner.run_forever())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.aclose()
 
 
 class EmbeddingsApi:
@@ -107,12 +134,13 @@ class EmbeddingsApi:
 @serve.deployment
 @serve.ingress()  # no app yet: Serve asks each replica for it, after __init__, through __serve_build_asgi_app__
 class EmbeddingsIngress:
-    def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 batch: BatchConfig | None = None) -> None:
         api_keys = ApiKeys.from_env()
         health = ModelHealth(serve.get_replica_context().app_name,
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
-                               on_resend=ResentRequests(), unavailable=health)
+                               on_resend=ResentRequests(), unavailable=health, batch=batch)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -138,15 +166,20 @@ class _Routes:
         deadline = _answer_by(schemas.parse_timeout(headers.get("x-request-timeout")))  # reading the body counts
         self._api_keys.check(headers.get("authorization"))
         priority = schemas.parse_priority(headers.get("x-priority"))
-        body = schemas.parse_request(await self._read_body(request, deadline))
+        content = await self.embed_body(await self._read_body(request, deadline), priority, deadline)
+        return Response(content=content, media_type="application/json")
+
+    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None) -> bytes:
+        """A ``/v1/embeddings`` request body's response body, or the ``ServiceError`` it fails with: the route's
+        work, and a batch line's."""
+        body = schemas.parse_request(raw)
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
                              input_type=body.input_type)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
-        content = schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
-        return Response(content=content, media_type="application/json")
+        return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
 
     async def list_models(self, request: Request) -> dict[str, Any]:
         self._api_keys.check(request.headers.get("authorization"))

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from deployments.errors import (AuthenticationFailed, BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound,
-                                ModelOverloaded, PayloadTooLarge, RequestTimedOut, RetryLater, RouteNotFound,
+                                ModelOverloaded, PayloadTooLarge, RequestTimedOut, ResourceNotFound, RetryLater,
                                 ServiceError, ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
 
 
@@ -26,7 +26,7 @@ HTTP_ERRORS: dict[type[ServiceError], HttpError] = {
     InvalidRequest: HttpError(400, "invalid_request_error"),
     AuthenticationFailed: HttpError(401, "invalid_request_error", "invalid_api_key"),
     ModelNotFound: HttpError(404, "invalid_request_error", "model_not_found"),
-    RouteNotFound: HttpError(404, "invalid_request_error", "not_found"),
+    ResourceNotFound: HttpError(404, "invalid_request_error", "not_found"),
     MethodNotAllowed: HttpError(405, "invalid_request_error", "method_not_allowed"),
     BodyReadTimeout: HttpError(408, "invalid_request_error", "request_timeout"),
     PayloadTooLarge: HttpError(413, "invalid_request_error", "request_too_large"),

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import time
 
 import numpy as np
 import openai
+import orjson
 import pytest
 from ray import serve
 
@@ -203,3 +206,28 @@ def _auth_headers() -> dict[str, str]:
 def _totals(model_handle) -> tuple[int, int]:
     stats = model_handle.stats.remote().result(timeout_s=60)
     return (sum(s.dispatched_items for s in stats.values()), sum(s.batches for s in stats.values()))
+
+
+def test_the_openai_clients_batch_flow_gives_the_vectors_embeddings_gives(embeddings_app: Service) -> None:
+    client = embeddings_app.client()
+    texts = [f"document number {i} about ray serve and batching" for i in range(40)]
+    lines = b"".join(orjson.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
+                                   "body": {"model": MODEL, "input": text}}) + b"\n" for i, text in enumerate(texts))
+    uploaded = client.files.create(file=("nightly.jsonl", io.BytesIO(lines + b'{"custom_id": "bad"}\n')),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 120  # a bound for a stuck batch, not a timing check
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.failed == 1
+    answered = [orjson.loads(raw) for raw in client.files.content(batch.output_file_id).content.splitlines()]
+    assert [line["custom_id"] for line in answered] == [f"doc-{i}" for i in range(40)]
+    batched = np.array([line["response"]["body"]["data"][0]["embedding"] for line in answered], dtype=np.float32)
+    direct = np.array([d.embedding for d in client.embeddings.create(model=MODEL, input=texts).data],
+                      dtype=np.float32)
+    assert (batched * direct).sum(axis=1).min() >= 0.99999
+    (bad,) = client.files.content(batch.error_file_id).content.splitlines()
+    assert orjson.loads(bad)["custom_id"] == "bad" and orjson.loads(bad)["error"]["code"] == "invalid_method"
+    assert embeddings_app.http().get("/v1/batches/batch_none",
+                                      headers={"Authorization": f"Bearer {API_KEYS[0]}"}).status_code == 404

@@ -1,0 +1,265 @@
+"""Runs the store's batches in an ingress replica: each line is a LOW ``/v1/embeddings`` request to its model, through
+the same path as the HTTP route (the models' batchers, caches, quotas and split-on-failure), so interactive traffic
+keeps its latency while a batch runs and a repeated or cached text is never paid twice.
+
+A batch goes ``validating`` (its input file read and counted) -> ``in_progress`` (its lines sent, at most
+``LINES_IN_FLIGHT`` at once; each finished line goes to the batch's journal) -> ``finalizing`` (the output and error
+files written in the input's order) -> ``completed``; or ``failed`` (its input file unusable), ``expired`` (its
+completion window passed first) or ``cancelling`` -> ``cancelled``, the last two with the lines finished so far.
+
+Every replica runs a runner; a batch runs in whichever replica takes its lock first, and again, after its journal,
+in whichever takes it after that one's process ended: a line finished before is never sent again. A line refused
+for now (the model overloaded, the quota spent, its replica lost) is sent again after its Retry-After; a line the
+model refuses for good (a bad input, an unknown model) is one line of the error file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import IO, Any, Awaitable, Callable
+
+from deployments.config import BatchConfig
+from deployments.errors import RetryLater, ServiceError, ServiceUnavailable
+from deployments.ingress.batch import lines
+from deployments.ingress.batch.store import BatchStore
+
+logger = logging.getLogger("ray.serve")
+
+Embed = Callable[[bytes], Awaitable[bytes]]  # a /v1/embeddings request body -> its response body, sent as LOW
+
+LINES_IN_FLIGHT = 256
+POLL_S = 1.0  # how often a runner looks for batches to run (and a running batch for a cancel)
+RETRY_S = 1.0  # a line refused for now is sent again after this, or after its Retry-After if longer
+UNAVAILABLE_TRIES = 10  # a line whose model is unavailable this many times in a row is an error line (503)
+SWEEP_S = 600.0  # how often files and batches past their retention are removed
+WINDOW_S = {"24h": 24 * 3600}
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, embed: Embed, config: BatchConfig) -> None:
+        self._store = store
+        self._embed = embed
+        self._config = config
+        self._running: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._wakes = 0  # how many times woken: a running batch looks at its status again when this moves
+        self._swept = -SWEEP_S
+
+    def wake(self) -> None:
+        """A batch was created or cancelled (here): look now, not at the next poll."""
+        self._wakes += 1
+        self._wake.set()
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                self._start_what_is_free()
+                self._sweep()
+            except Exception:  # noqa: BLE001 - the store's trouble must not end the runner: try again next poll
+                logger.exception("batch runner: scanning the store failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            except TimeoutError:
+                pass
+
+    async def aclose(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    def _start_what_is_free(self) -> None:
+        for batch in self._store.batches():
+            batch_id = batch["id"]
+            if batch["status"] not in ACTIVE or batch_id in self._running:
+                continue
+            held = self._store.lock(batch_id)
+            if held is None:
+                continue  # another replica runs it
+            task = asyncio.ensure_future(self._run(batch_id, held))
+            self._running[batch_id] = task
+            task.add_done_callback(lambda _, batch_id=batch_id: self._running.pop(batch_id, None))
+
+    async def _run(self, batch_id: str, held: IO[bytes]) -> None:
+        try:
+            batch = self._store.batch(batch_id)
+            if batch is None or batch["status"] in FINAL:
+                return  # finished by the replica that held the lock before this one looked
+            if batch["status"] == "validating":
+                batch = self._validate(batch_id)
+            if batch["status"] in ("in_progress", "cancelling"):
+                batch = await self._send_lines(batch)
+            if batch["status"] in ("finalizing", "cancelling", "expired"):
+                self._finalize(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the batch is tried again at the next poll, after its journal
+            logger.exception("batch %s: running it failed; it resumes at the next poll", batch_id)
+        finally:
+            held.close()
+
+    # ---- the states ---------------------------------------------------------------------------------------------
+
+    def _validate(self, batch_id: str) -> dict[str, Any]:
+        batch = self._store.batch(batch_id)
+        assert batch is not None
+        path = self._store.file_path(batch["input_file_id"])
+        problem = None
+        total = 0
+        if self._store.file(batch["input_file_id"]) is None or not path.exists():
+            problem = ("invalid_input_file", f"the input file {batch['input_file_id']} no longer exists")
+        else:
+            with path.open("rb") as input_lines:
+                total = sum(1 for raw in input_lines if raw.strip())
+            if total == 0:
+                problem = ("empty_file", "the input file has no lines")
+            elif total > self._config.max_lines:
+                problem = ("too_many_requests",
+                           f"the input file has {total} lines; a batch takes at most {self._config.max_lines}")
+        now = self._store.now()
+
+        def validated(batch: dict[str, Any]) -> None:
+            if problem is not None:
+                code, message = problem
+                batch.update(status="failed", failed_at=now, errors={"object": "list", "data": [
+                    {"code": code, "message": message, "param": "input_file_id", "line": None}]})
+            elif batch["status"] == "validating":
+                batch.update(status="in_progress", in_progress_at=now,
+                             request_counts={"total": total, "completed": 0, "failed": 0})
+            else:  # cancelled while validating
+                batch["request_counts"] = {"total": total, "completed": 0, "failed": 0}
+
+        return self._store.update_batch(batch_id, validated) or batch
+
+    async def _send_lines(self, batch: dict[str, Any]) -> dict[str, Any]:
+        batch_id = batch["id"]
+        done = self._store.journal(batch_id)
+        outcomes = {index: record[:1] == b"1" for index, record in done.items()}
+        room = asyncio.Semaphore(LINES_IN_FLIGHT)
+        in_flight: set[asyncio.Task] = set()
+        seen: set[str] = set()
+        checked, wakes = time.monotonic(), self._wakes
+        status = batch["status"]
+        with self._store.file_path(batch["input_file_id"]).open("rb") as input_lines:
+            index = -1
+            for raw in input_lines:
+                if not raw.strip():
+                    continue
+                index += 1
+                request, finished = self._read(raw, seen)
+                if index in done:
+                    continue
+                if self._wakes != wakes or time.monotonic() - checked >= POLL_S:
+                    checked, wakes = time.monotonic(), self._wakes
+                    status = self._progress(batch_id, outcomes)
+                if status != "in_progress":
+                    break
+                if finished is not None:
+                    self._record(batch_id, index, finished, outcomes)
+                    continue
+                await room.acquire()
+                if self._wakes != wakes:  # cancelled here while this line waited for room
+                    room.release()
+                    checked, wakes = time.monotonic(), self._wakes
+                    status = self._progress(batch_id, outcomes)
+                    if status != "in_progress":
+                        break
+                task = asyncio.ensure_future(self._send(batch_id, index, request, outcomes))
+                in_flight.add(task)
+                task.add_done_callback(lambda task: (in_flight.discard(task), room.release()))
+        if in_flight:
+            await asyncio.gather(*in_flight)
+        self._progress(batch_id, outcomes, finished=status == "in_progress")
+        return self._store.batch(batch_id) or batch
+
+    def _read(self, raw: bytes, seen: set[str]) -> tuple[lines.Request | None, lines.Finished | None]:
+        """The line's request, or its error line if it is none (a repeated ``custom_id`` is none)."""
+        try:
+            request = lines.parse(raw)
+        except lines.LineError as error:
+            return None, lines.unreadable(lines.custom_id_of(raw), error)
+        if request.custom_id in seen:
+            error = lines.LineError("duplicate_custom_id", f"the custom_id {request.custom_id!r} is used before")
+            return None, lines.unreadable(request.custom_id, error)
+        seen.add(request.custom_id)
+        return request, None
+
+    async def _send(self, batch_id: str, index: int, request: lines.Request, outcomes: dict[int, bool]) -> None:
+        unavailable = 0
+        while True:
+            try:
+                finished = lines.answered(request.custom_id, await self._embed(request.body))
+            except RetryLater as error:  # the model or its quota is busy: this line's turn comes
+                await asyncio.sleep(max(RETRY_S, error.retry_after_s))
+                continue
+            except ServiceUnavailable as error:  # a lost replica comes back; a line that keeps failing does not
+                unavailable += 1
+                if unavailable < UNAVAILABLE_TRIES:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                finished = lines.refused(request.custom_id, error)
+            except ServiceError as error:
+                finished = lines.refused(request.custom_id, error)
+            self._record(batch_id, index, finished, outcomes)
+            return
+
+    def _record(self, batch_id: str, index: int, finished: lines.Finished, outcomes: dict[int, bool]) -> None:
+        self._store.record(batch_id, index, b"%d %s" % (finished.ok, finished.line.rstrip(b"\n")))
+        outcomes[index] = finished.ok
+
+    def _progress(self, batch_id: str, outcomes: dict[int, bool], finished: bool = False) -> str:
+        """Write the counts so far (and, once every line is done, ``finalizing``; past the window, ``expired``);
+        the batch's status now."""
+        now = self._store.now()
+
+        def progressed(batch: dict[str, Any]) -> None:
+            completed = sum(outcomes.values())
+            batch["request_counts"] = {**batch["request_counts"], "completed": completed,
+                                       "failed": len(outcomes) - completed}
+            if batch["status"] != "in_progress":
+                return
+            if finished:
+                batch.update(status="finalizing", finalizing_at=now)
+            elif now >= batch["expires_at"]:
+                batch.update(status="expired", expired_at=now)
+
+        batch = self._store.update_batch(batch_id, progressed)
+        return "cancelled" if batch is None else batch["status"]
+
+    def _finalize(self, batch: dict[str, Any]) -> None:
+        """The output and error files, in the input's order, from the journal; then the batch's final status."""
+        batch_id = batch["id"]
+        done = sorted(self._store.journal(batch_id).items())
+        files = {}
+        for ok, kind in ((b"1", "output"), (b"0", "error")):
+            records = [record[2:] + b"\n" for _, record in done if record[:1] == ok]
+            if records:
+                files[kind] = self._store.add_file_bytes(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
+                                                         "batch_output", iter(records))["id"]
+        now = self._store.now()
+        final = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),
+                 "expired": ("expired", "expired_at")}
+
+        def finalized(batch: dict[str, Any]) -> None:
+            status, stamp = final[batch["status"]]
+            batch.update(status=status, output_file_id=files.get("output"), error_file_id=files.get("error"))
+            batch[stamp] = batch.get(stamp) or now
+
+        self._store.update_batch(batch_id, finalized)
+
+    def _sweep(self) -> None:
+        """Files and finished batches older than the retention time go."""
+        if time.monotonic() - self._swept < SWEEP_S:
+            return
+        self._swept = time.monotonic()
+        oldest = self._store.now() - self._config.retention_days * 86_400
+        for batch in self._store.batches():
+            if batch["status"] in FINAL and batch["created_at"] < oldest:
+                self._store.delete_batch(batch["id"])
+        for record in self._store.files():
+            if record["created_at"] < oldest:
+                self._store.delete_file(record["id"])

@@ -1,0 +1,189 @@
+"""The Batch API's durable state, in one directory: uploaded files and batches outlive a restart of ``serve run``,
+the loss of the ingress replica running a batch, and a reboot.
+
+Layout: ``files/<id>.json`` (the file object) and ``files/<id>.data`` (its bytes); ``batches/<id>.json`` (the batch
+object; ``.state`` locks it for a change), ``batches/<id>.journal`` (one line for each finished request line,
+appended as it finishes: a batch resumes after its journal) and ``batches/<id>.lock`` (held by the replica running
+the batch, released by the OS when that process ends). An object is written whole to a temporary file and renamed
+over the old one, so no reader sees half of it. The directory is one machine's: ingress replicas on other nodes
+would each see their own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import orjson
+
+COPY_CHUNK_BYTES = 1 << 20
+SYNC_EVERY_S = 1.0  # the journal reaches the disk at least this often: a reboot redoes at most this much work
+
+
+class TooLarge(Exception):
+    """An upload past the store's byte limit (nothing of it is kept)."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+class BatchStore:
+    def __init__(self, root: Path, clock: Callable[[], float] = time.time) -> None:
+        self._files = root / "files"
+        self._batches = root / "batches"
+        self._clock = clock
+        self._files.mkdir(parents=True, exist_ok=True)
+        self._batches.mkdir(parents=True, exist_ok=True)
+        self._synced: dict[str, float] = {}
+
+    def now(self) -> int:
+        return int(self._clock())
+
+    # ---- files --------------------------------------------------------------------------------------------------
+
+    def add_file(self, filename: str, purpose: str, content: IO[bytes], max_bytes: int) -> dict[str, Any]:
+        """Keep ``content`` (read in chunks; ``TooLarge`` past ``max_bytes``) as a new file; its object."""
+        file_id = new_id("file-")
+        data = self._files / f"{file_id}.data"
+        size = 0
+        try:
+            with data.open("wb") as out:
+                while chunk := content.read(COPY_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise TooLarge(f"the file exceeds the {max_bytes}-byte limit")
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            data.unlink(missing_ok=True)
+            raise
+        return self._describe_file(file_id, filename, purpose, size)
+
+    def add_file_bytes(self, file_id: str, filename: str, purpose: str, lines: Iterator[bytes]) -> dict[str, Any]:
+        """A file the service writes (a batch's output or errors), from ``lines``; written again under the same id
+        if it was written before (a batch finalized again after a crash)."""
+        size = 0
+        with (self._files / f"{file_id}.data").open("wb") as out:
+            for line in lines:
+                out.write(line)
+                size += len(line)
+            out.flush()
+            os.fsync(out.fileno())
+        return self._describe_file(file_id, filename, purpose, size)
+
+    def _describe_file(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
+        record = {"id": file_id, "object": "file", "bytes": size, "created_at": self.now(), "filename": filename,
+                  "purpose": purpose, "status": "processed", "status_details": None}
+        _write_json(self._files / f"{file_id}.json", record)
+        return record
+
+    def file(self, file_id: str) -> dict[str, Any] | None:
+        return _read_json(self._files / f"{_safe(file_id)}.json")
+
+    def file_path(self, file_id: str) -> Path:
+        return self._files / f"{_safe(file_id)}.data"
+
+    def files(self) -> list[dict[str, Any]]:
+        """Every file, newest first."""
+        return _newest_first(_read_json(path) for path in self._files.glob("*.json"))
+
+    def delete_file(self, file_id: str) -> bool:
+        record = self._files / f"{_safe(file_id)}.json"
+        if not record.exists():
+            return False
+        record.unlink(missing_ok=True)
+        self.file_path(file_id).unlink(missing_ok=True)
+        return True
+
+    # ---- batches ------------------------------------------------------------------------------------------------
+
+    def save_batch(self, batch: dict[str, Any]) -> None:
+        _write_json(self._batches / f"{batch['id']}.json", batch)
+
+    def update_batch(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+        """Read, ``change`` in place and write the batch, holding its state lock: a cancel from any replica and the
+        runner's progress never overwrite each other. None if there is no such batch."""
+        with (self._batches / f"{_safe(batch_id)}.state").open("ab") as state:
+            fcntl.flock(state.fileno(), fcntl.LOCK_EX)  # held for a read and a write: microseconds
+            batch = self.batch(batch_id)
+            if batch is not None:
+                change(batch)
+                self.save_batch(batch)
+            return batch
+
+    def batch(self, batch_id: str) -> dict[str, Any] | None:
+        return _read_json(self._batches / f"{_safe(batch_id)}.json")
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Every batch, newest first."""
+        return _newest_first(_read_json(path) for path in self._batches.glob("*.json"))
+
+    def delete_batch(self, batch_id: str) -> None:
+        for suffix in (".json", ".journal", ".lock", ".state"):
+            (self._batches / f"{_safe(batch_id)}{suffix}").unlink(missing_ok=True)
+
+    def journal(self, batch_id: str) -> dict[int, bytes]:
+        """The finished lines of a batch: index to its record (a journal line cut short by a crash is not one)."""
+        path = self._batches / f"{_safe(batch_id)}.journal"
+        done: dict[int, bytes] = {}
+        if not path.exists():
+            return done
+        with path.open("rb") as journal:
+            for line in journal:
+                if not line.endswith(b"\n"):
+                    break  # the last line, half written when the process ended
+                index, _, record = line.partition(b" ")
+                done[int(index)] = record.rstrip(b"\n")
+        return done
+
+    def record(self, batch_id: str, index: int, record: bytes) -> None:
+        """Append one finished line's ``record`` (one line of JSON) to the batch's journal."""
+        path = self._batches / f"{_safe(batch_id)}.journal"
+        with path.open("ab") as journal:
+            journal.write(b"%d %s\n" % (index, record))
+            now = time.monotonic()
+            if now - self._synced.get(batch_id, 0.0) >= SYNC_EVERY_S:
+                journal.flush()
+                os.fsync(journal.fileno())
+                self._synced[batch_id] = now
+
+    def lock(self, batch_id: str) -> IO[bytes] | None:
+        """The batch's lock, held until the returned file is closed; None if another process holds it."""
+        handle = (self._batches / f"{_safe(batch_id)}.lock").open("ab")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        return handle
+
+
+def _safe(object_id: str) -> str:
+    """An id as a file name: never a path out of the store."""
+    return object_id if object_id.replace("-", "").replace("_", "").isalnum() else "-invalid-"
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    temporary = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
+    with temporary.open("wb") as out:
+        out.write(orjson.dumps(value))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def _newest_first(records: Iterator[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    return sorted((r for r in records if r is not None), key=lambda r: (r["created_at"], r["id"]), reverse=True)
