@@ -33,10 +33,10 @@ from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowe
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys
 from deployments.ingress.batch.routes import BatchRoutes
-from deployments.ingress.batch.runner import BatchRunner
+from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
 from deployments.ingress.forwarding import ModelForwarder
-from deployments.ingress.metrics import ResendCounter, ResentRequests
+from deployments.ingress.metrics import RayBatchMetrics, ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
 from deployments.ingress.openai_errors import error_response, status_response
 from deployments.wire import Deadline, EmbedRequest
@@ -61,19 +61,20 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
                unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
-               batch: BatchConfig | None = None) -> "EmbeddingsApi":
+               batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
-    its ASGI lifespan's startup and shutdown)."""
+    its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
     routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable)
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
-        runner = BatchRunner(store, functools.partial(routes.embed_body, priority=Priority.LOW, deadline=None), batch)
+        runner = BatchRunner(store, functools.partial(routes.embed_body, priority=Priority.LOW, deadline=None), batch,
+                             batch_metrics)
     app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=None if runner is None else functools.partial(_running, runner))
     app.add_exception_handler(ServiceError, _service_error)
@@ -140,7 +141,8 @@ class EmbeddingsIngress:
         health = ModelHealth(serve.get_replica_context().app_name,
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
-                               on_resend=ResentRequests(), unavailable=health, batch=batch)
+                               on_resend=ResentRequests(), unavailable=health, batch=batch,
+                               batch_metrics=RayBatchMetrics())
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 

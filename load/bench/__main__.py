@@ -26,6 +26,7 @@ SCENARIOS: dict[str, str] = {
     "peers": "load.bench.peers",
     "cluster": "load.bench.cluster",
     "quota": "load.bench.quota",
+    "batch": "load.bench.batch",
 }
 
 

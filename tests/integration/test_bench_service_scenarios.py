@@ -50,3 +50,19 @@ def test_bulk_scenario_embeds_every_document_in_place_and_streams_high_requests(
         assert job["misplaced_ids"] == job["mismatches"] == 0
     assert 0 < runs["job_alone"]["upstream_calls"] < bulk.QUICK.documents
     assert runs["high_alone"]["completed"] > 0 and runs["high_alone"]["errors"] == 0
+
+
+def test_batch_scenario_runs_the_corpus_through_batches_beside_both_streams(embeddings_app, tmp_path):
+    from load.bench import batch
+
+    from .helpers import API_KEYS
+
+    settings = batch.Settings(documents=60, lines_per_batch=25, calm_s=1.0, high_rate_per_s=5.0, low_rate_per_s=5.0)
+    data = batch.measure(embeddings_app.url, settings, tmp_path, api_key=API_KEYS[0])
+    assert (tmp_path / "batch.md").exists()
+    assert [b["status"] for b in data["batches"]] == ["completed"] * 3
+    check = data["check"]
+    assert (check["lines"], check["in_order_once_each"], check["error_lines"]) == (60, True, 0)
+    assert check["min_cosine"] >= 0.99999
+    for stream in ("calm_high", "high", "low"):
+        assert set(data[stream]["statuses"]) <= {"200"}

@@ -22,7 +22,7 @@ from deployments.config import BatchConfig
 from deployments.errors import ModelOverloaded
 from deployments.ingress.api import create_api
 from deployments.ingress.batch import runner as runner_module
-from deployments.ingress.batch.runner import BatchRunner
+from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
 
 MODEL = "fake-embed"
@@ -83,18 +83,31 @@ def wait_for(client: openai.OpenAI, batch_id: str, until: tuple[str, ...] = ("co
     return batch
 
 
+class Recorded(BatchMetrics):
+    def __init__(self) -> None:
+        self.lines: list[bool] = []
+        self.by_status: dict[str, int] = {}
+
+    def line_finished(self, ok: bool) -> None:
+        self.lines.append(ok)
+
+    def batches(self, by_status: dict[str, int]) -> None:
+        self.by_status = by_status
+
+
 @pytest.fixture
 def service(tmp_path: Path):
     model = FakeModel()
+    metrics = Recorded()
     api = create_api({MODEL: model}, batch=BatchConfig(directory=str(tmp_path), max_lines=20,
-                                                      max_file_bytes=64 * 1024))
+                                                      max_file_bytes=64 * 1024), batch_metrics=metrics)
     with TestClient(api) as http:
         yield model, openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http,
-                                   max_retries=0), http
+                                   max_retries=0), http, metrics
 
 
 def test_the_openai_clients_batch_flow_embeds_every_line_and_puts_each_bad_one_in_the_error_file(service) -> None:
-    model, client, _ = service
+    model, client, _, metrics = service
     good = ["alpha", "beta gamma", "delta"]
     content = (line("a", good[0]) + b"{not json\n" + line("b", [good[1]]) + line("c", "x", model="nope")
                + line("d", "") + line("e", "y", url="/v1/chat/completions") + line("a", "again") + b"\n"
@@ -126,6 +139,13 @@ def test_the_openai_clients_batch_flow_embeds_every_line_and_puts_each_bad_one_i
     assert sorted(texts for texts, _ in model.requests) == sorted([[t] for t in good])  # each good line once
     assert {priority for _, priority in model.requests} == {Priority.LOW}
     assert [b.id for b in client.batches.list().data] == [created.id]
+    assert sorted(metrics.lines) == [False] * 5 + [True] * 3
+    client.batches.list()  # a moment for the next poll
+    deadline = time.monotonic() + 30
+    while metrics.by_status.get("completed") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert sum(metrics.by_status.values()) == 1 and len(metrics.by_status) == 8
     assert {f.id for f in client.files.list().data} == {uploaded.id, batch.output_file_id, batch.error_file_id}
 
 
@@ -223,7 +243,7 @@ def test_a_cancelled_batch_stops_sending_and_keeps_what_finished(tmp_path: Path,
 
 
 def test_every_refusal_is_a_4xx_in_openais_error_shape(service) -> None:
-    _, client, http = service
+    _, client, http, _ = service
 
     def error(response: Any, status: int, param: str | None = None) -> None:
         assert response.status_code == status, response.text
@@ -249,7 +269,7 @@ def test_every_refusal_is_a_4xx_in_openais_error_shape(service) -> None:
 
 
 def test_a_file_of_more_lines_than_a_batch_takes_fails_the_batch_with_its_reason(service) -> None:
-    _, client, _ = service
+    _, client, _, _ = service
     content = b"".join(line(f"id{i}", "t") for i in range(21))  # the fixture allows 20
     uploaded = client.files.create(file=("big.jsonl", io.BytesIO(content)), purpose="batch")
     batch = wait_for(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",

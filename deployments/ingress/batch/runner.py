@@ -37,13 +37,26 @@ SWEEP_S = 600.0  # how often files and batches past their retention are removed
 WINDOW_S = {"24h": 24 * 3600}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
+STATUSES = ACTIVE + FINAL
+
+
+class BatchMetrics:
+    """What a runner reports; these hooks do nothing (``deployments.ingress.metrics.RayBatchMetrics`` exports them)."""
+
+    def line_finished(self, ok: bool) -> None:
+        """A request line finished: in the output file (``ok``) or the error file."""
+
+    def batches(self, by_status: dict[str, int]) -> None:
+        """The store's batches, by status (every status named, 0 included)."""
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, embed: Embed, config: BatchConfig) -> None:
+    def __init__(self, store: BatchStore, embed: Embed, config: BatchConfig,
+                 metrics: BatchMetrics | None = None) -> None:
         self._store = store
         self._embed = embed
         self._config = config
+        self._metrics = metrics if metrics is not None else BatchMetrics()
         self._running: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._wakes = 0  # how many times woken: a running batch looks at its status again when this moves
@@ -73,7 +86,9 @@ class BatchRunner:
         await asyncio.gather(*self._running.values(), return_exceptions=True)
 
     def _start_what_is_free(self) -> None:
-        for batch in self._store.batches():
+        batches = self._store.batches()
+        self._metrics.batches({status: sum(b["status"] == status for b in batches) for status in STATUSES})
+        for batch in batches:
             batch_id = batch["id"]
             if batch["status"] not in ACTIVE or batch_id in self._running:
                 continue
@@ -210,6 +225,7 @@ class BatchRunner:
     def _record(self, batch_id: str, index: int, finished: lines.Finished, outcomes: dict[int, bool]) -> None:
         self._store.record(batch_id, index, b"%d %s" % (finished.ok, finished.line.rstrip(b"\n")))
         outcomes[index] = finished.ok
+        self._metrics.line_finished(finished.ok)
 
     def _progress(self, batch_id: str, outcomes: dict[int, bool], finished: bool = False) -> str:
         """Write the counts so far (and, once every line is done, ``finalizing``; past the window, ``expired``);
@@ -250,6 +266,7 @@ class BatchRunner:
             batch[stamp] = batch.get(stamp) or now
 
         self._store.update_batch(batch_id, finalized)
+        self._store.drop_journal(batch_id)  # its lines are in the files now, once the status says so
 
     def _sweep(self) -> None:
         """Files and finished batches older than the retention time go."""

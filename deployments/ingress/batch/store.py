@@ -3,7 +3,7 @@ the loss of the ingress replica running a batch, and a reboot.
 
 Layout: ``files/<id>.json`` (the file object) and ``files/<id>.data`` (its bytes); ``batches/<id>.json`` (the batch
 object; ``.state`` locks it for a change), ``batches/<id>.journal`` (one line for each finished request line,
-appended as it finishes: a batch resumes after its journal) and ``batches/<id>.lock`` (held by the replica running
+appended as it finishes: a batch resumes after its journal; removed once its lines are in the output files) and ``batches/<id>.lock`` (held by the replica running
 the batch, released by the OS when that process ends). An object is written whole to a temporary file and renamed
 over the old one, so no reader sees half of it. The directory is one machine's: ingress replicas on other nodes
 would each see their own.
@@ -141,6 +141,10 @@ class BatchStore:
                 index, _, record = line.partition(b" ")
                 done[int(index)] = record.rstrip(b"\n")
         return done
+
+    def drop_journal(self, batch_id: str) -> None:
+        (self._batches / f"{_safe(batch_id)}.journal").unlink(missing_ok=True)
+        self._synced.pop(batch_id, None)
 
     def record(self, batch_id: str, index: int, record: bytes) -> None:
         """Append one finished line's ``record`` (one line of JSON) to the batch's journal."""
