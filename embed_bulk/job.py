@@ -23,6 +23,7 @@ from embed_bulk.documents import DocId, Document, read_documents, unique_ids
 from embed_bulk.lock import output_lock
 from embed_bulk.settings import BulkSettings
 from embed_bulk.store import EmbeddingStore, open_store
+from embed_bulk.via_batch import embed_via_batches
 
 CLIENT_CLOSE_S = 1.0
 
@@ -151,6 +152,13 @@ class BulkJob:
         return summary
 
     async def _embed_all(self, client: openai.AsyncOpenAI, recorder: Recorder, done: set[DocId]) -> None:
+        if self.settings.via == "batch":
+            finished = await embed_via_batches(
+                client, self.settings, recorder.record,
+                lambda saved: pending_batches(self._documents(), done | saved, self.settings.batch_lines),
+                lambda: self._stop.requested)
+            self._stop.cut_short = not finished
+            return
         embeddings = EmbeddingsClient(self.settings, client, self.summary.calls)
         batches = pending_batches(self._documents(), done, self.settings.batch_size)
         pacer = Pacer(self.settings.max_rate)

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Literal
 
 MAX_BATCH_SIZE = 2048  # the most inputs the service takes in one request
+MAX_BATCH_LINES = 50_000  # the most lines a Batch API input file may hold (OpenAI's, and the service's default)
 API_KEY_ENV = "EMBEDDINGS_API_KEY"
 
 InputFormat = Literal["auto", "jsonl", "text"]
 OutputKind = Literal["jsonl", "npy"]
 ProgressMode = Literal["auto", "always", "never"]
+Via = Literal["embeddings", "batch"]
 
 OUTPUT_KINDS: dict[str, OutputKind] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".npy": "npy"}
 JSONL_INPUT_SUFFIXES = (".jsonl", ".ndjson")
@@ -44,6 +46,8 @@ class BulkSettings:
     stats_url: str | None = None
     grace_s: float = 5.0  # after SIGINT/SIGTERM: how long the requests in flight may take to finish and be saved
     strict: bool = False  # a malformed input line ends the run before it starts, instead of failing alone
+    via: Via = "embeddings"  # batch: through the service's Batch API (embed_bulk.via_batch)
+    batch_lines: int = MAX_BATCH_LINES  # --via batch: documents an input file
 
     def __post_init__(self) -> None:
         checks = {
@@ -57,6 +61,7 @@ class BulkSettings:
             f"output must end in one of {', '.join(OUTPUT_KINDS)}": self.output_path.suffix.lower() in OUTPUT_KINDS,
             "input and output must be different files": self.input_path.resolve() != self.output_path.resolve(),
             "priority must be 'low' or 'high'": self.priority in ("low", "high"),
+            f"batch_lines must be within [1, {MAX_BATCH_LINES}]": 1 <= self.batch_lines <= MAX_BATCH_LINES,
         }
         problems = [problem for problem, ok in checks.items() if not ok]
         if problems:
@@ -132,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", dest="grace_s", type=float, default=defaults.grace_s,
         help="seconds the requests in flight get to finish after SIGINT/SIGTERM (default: %(default)s)",
     )
+    parser.add_argument(
+        "--via", choices=("embeddings", "batch"), default=defaults.via,
+        help="embeddings: /v1/embeddings requests; batch: the service's Batch API, in files of --batch-lines "
+             "documents (batches left running by a stopped run are waited for by the next)",
+    )
+    parser.add_argument("--batch-lines", type=int, default=defaults.batch_lines,
+                        help=f"--via batch: documents an input file (<= {MAX_BATCH_LINES})")
     parser.add_argument(
         "--strict", action="store_true",
         help="exit 2 at the first malformed input line, before embedding anything (default: it fails alone)",

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import io
-import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
-import numpy as np
 import openai
 import orjson
 import pytest
@@ -19,55 +17,12 @@ from starlette.testclient import TestClient
 
 from batching import Priority
 from deployments.config import BatchConfig
-from deployments.errors import ModelOverloaded
 from deployments.ingress.api import create_api
 from deployments.ingress.batch import runner as runner_module
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
 
-MODEL = "fake-embed"
-
-
-def vector_of(text: str) -> list[float]:
-    return [float(len(text)), float(sum(map(ord, text)) % 1000), 1.0]
-
-
-class FakeModel:
-    """Stands in for an ``EmbeddingModel``'s handle: ``embed_many`` answers each request from its texts, recording
-    every request's texts and priority; ``overloaded`` refusals come first for the texts named in it."""
-
-    def __init__(self, overloaded: dict[str, int] | None = None) -> None:
-        self.requests: list[tuple[list[str], Priority]] = []
-        self.overloaded = dict(overloaded or {})
-
-    def options(self, **_: Any) -> "FakeModel":
-        return self
-
-    def remote(self, requests: list[Any]) -> "_Stream":
-        return _Stream(self._answers(requests))
-
-    async def _answers(self, requests: list[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
-        answers = []
-        for index, request in enumerate(requests):
-            texts = list(request.inputs)
-            if self.overloaded.get(texts[0], 0) > 0:
-                self.overloaded[texts[0]] -= 1
-                answers.append((index, ModelOverloaded("busy", retry_after_s=0.01)))
-                continue
-            self.requests.append((texts, request.priority))
-            answers.append((index, (np.array([vector_of(t) for t in texts], dtype=np.float32), [1] * len(texts))))
-        yield answers
-
-
-class _Stream:
-    def __init__(self, answers: AsyncIterator[Any]) -> None:
-        self._answers = answers
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._answers
-
-    def cancel(self) -> None:
-        pass
+from .batch_fakes import MODEL, FakeModel, HeldModel, vector_of
 
 
 def line(custom_id: str, text: Any, *, model: str = MODEL, url: str = "/v1/embeddings") -> bytes:
@@ -201,22 +156,6 @@ async def test_a_batch_resumes_after_its_journal_and_never_sends_a_finished_line
     assert sorted(resent) == sorted(texts[4:])  # the four finished before were not sent again
     output = store.file_path(store.batch("batch_1")["output_file_id"]).read_bytes().splitlines()
     assert [orjson.loads(raw)["custom_id"] for raw in output] == [f"id{i}" for i in range(10)]
-
-
-class HeldModel(FakeModel):
-    """Answers ``held`` only once ``release`` is set."""
-
-    def __init__(self, held: str) -> None:
-        super().__init__()
-        self.held = held
-        self.release = threading.Event()
-
-    async def _answers(self, requests: list[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
-        if any(self.held in request.inputs for request in requests):
-            while not self.release.is_set():
-                await asyncio.sleep(0.005)
-        async for answers in super()._answers(requests):
-            yield answers
 
 
 def test_a_cancelled_batch_stops_sending_and_keeps_what_finished(tmp_path: Path, monkeypatch) -> None:
