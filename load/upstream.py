@@ -143,17 +143,19 @@ class FaultChanges(BaseModel):
 
 
 class MinuteBudget:
-    """A token bucket holding up to `per_minute` units, refilled continuously at `per_minute / 60` per second."""
+    """A token bucket holding up to `per_minute` units, refilled continuously at `per_minute / 60` per second, on the
+    server's event loop's clock (a test's looptime, in process). Full until its first use."""
 
     def __init__(self, per_minute: int) -> None:
         self.per_minute = per_minute
         self._level = float(per_minute)
-        self._updated = time.monotonic()
+        self._updated: float | None = None
 
     def wait_s(self, amount: int) -> float:
         """Seconds until `amount` units are available; 0 if they are now."""
-        now = time.monotonic()
-        self._level = min(self.per_minute, self._level + (now - self._updated) * self.per_minute / 60)
+        now = _now()
+        if self._updated is not None:
+            self._level = min(self.per_minute, self._level + (now - self._updated) * self.per_minute / 60)
         self._updated = now
         return max(0.0, (amount - self._level) * 60 / self.per_minute)
 
@@ -250,7 +252,7 @@ class SimulatedProvider:
         if config.tpm != self.config.tpm:
             self._tokens_budget = MinuteBudget(config.tpm) if config.tpm else None
         if down_for_s is not None:
-            self._down_until = time.monotonic() + down_for_s
+            self._down_until = _now() + down_for_s
         if config.error_rate != self.config.error_rate:
             self._calls_at_error_rate = 0
         self.config = config
@@ -263,11 +265,11 @@ class SimulatedProvider:
             "slow_ms": config.slow_ms,
             "rpm": config.rpm,
             "tpm": config.tpm,
-            "down_for_s": max(0.0, self._down_until - time.monotonic()),
+            "down_for_s": max(0.0, self._down_until - _now()),
         }
 
     async def _embeddings(self, body: bytes) -> EmbeddingsResult:
-        down_for_s = self._down_until - time.monotonic()
+        down_for_s = self._down_until - _now()
         if down_for_s > 0:
             raise ProviderError(503, "The server is temporarily unavailable.", "server_error", retry_after_s=down_for_s)
         request = _parse_request(body)
@@ -401,6 +403,11 @@ def _items(raw: str | list[str] | list[int] | list[list[int]]) -> list[str] | li
     if raw and isinstance(raw[0], int):
         return [typing.cast(list[int], raw)]
     return typing.cast(list[str] | list[list[int]], raw)
+
+
+def _now() -> float:
+    """The provider's clock: its event loop's."""
+    return asyncio.get_running_loop().time()
 
 
 def _base64_floats(vector: np.ndarray) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Sequence
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -41,13 +42,14 @@ Embeddings = tuple[np.ndarray, list[int]]  # float32 vectors [n, d] and each inp
 class EmbeddingModel:
     def __init__(
         self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,
-        cache_metrics: CacheMetrics | None = None,
+        cache_metrics: CacheMetrics | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks."""
+        """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks;
+        ``clock`` is the quota's, the event loop's (``time.monotonic``, or a test's controlled clock)."""
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         # an upstream model's calls claim the provider's quota first (deployments/model/quota/); its answers update it
-        pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None)
+        pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None, clock)
         if pacer is not None:
             self._backend.on_response = pacer.observe
         # the path runs one way: the cache (if any) answers what it holds and passes the rest to the batchers

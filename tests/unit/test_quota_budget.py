@@ -73,6 +73,14 @@ def test_low_gets_what_high_leaves_of_the_refill_and_high_never_waits_for_it() -
     assert 33_000 <= low_tokens <= 36_000  # the other 30% of 120,000, less what is left in the bucket
 
 
+def test_highs_use_before_a_limit_was_known_fades_as_it_would_have_under_one() -> None:
+    quota = QuotaBudget(Limits(None, None), now=0.0)
+    quota.claim(HIGH, 1_000_000, now=0.0)  # no limit known: granted, and counted as HIGH's use
+    quota.follow({"tokens": Account(60_000, 60_000, 0.0)}, called_at=100.0, now=100.0)  # a limit, 100 s later
+    reserve = quota.remaining(HIGH, now=100.0)["tokens"] - quota.remaining(LOW, now=100.0)["tokens"]
+    assert reserve == pytest.approx(0.9 * 1_000)  # a second of refill: the old use has faded
+
+
 def test_pacing_never_overdraws_the_providers_own_bucket() -> None:
     """A provider bucket of the full limit, charged as granted: it never goes below zero, and LOW fills the rest."""
     tpm, rpm = 60_000, 600

@@ -4,7 +4,8 @@ responses' ``x-ratelimit-*`` headers say. See ``budget`` (the arithmetic), ``lim
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 from deployments.model.quota.budget import Limits
 from deployments.model.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
@@ -16,9 +17,10 @@ if TYPE_CHECKING:
 __all__ = ["Limits", "PacedInput", "QuotaPacer", "make_pacer"]
 
 
-def make_pacer(model: "ModelConfig", metrics: "QuotaMetrics | None" = None) -> QuotaPacer | None:
+def make_pacer(model: "ModelConfig", metrics: "QuotaMetrics | None" = None,
+               clock: Callable[[], float] = time.monotonic) -> QuotaPacer | None:
     """The pacer of an ``openai`` model (with no ``limits:``, it paces only once the provider reports a limit);
-    None for a local model."""
+    None for a local model. ``clock``: the event loop's (a test's controlled one)."""
     if model.backend != "openai":
         return None
     from deployments.model.quota.limiter import limiter_name
@@ -29,7 +31,7 @@ def make_pacer(model: "ModelConfig", metrics: "QuotaMetrics | None" = None) -> Q
               else Limits(quota.rpm, quota.tpm, headroom=quota.headroom, low_share=quota.low_share))
     name = limiter_name(_application(), model.deployment_name, limits)
     return QuotaPacer(limits, RemoteLedger(name, limits), replicas=_max_replicas(model), metrics=metrics,
-                      max_wait_s=model.batcher.batch_timeout_s)
+                      max_wait_s=model.batcher.batch_timeout_s, clock=clock)
 
 
 def _application() -> str:

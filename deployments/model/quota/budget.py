@@ -112,11 +112,11 @@ class _Bucket:
         self.updated = now
         if self.learned is not None and now - self.learned_at > LEARNED_FOR_S:
             self.relearn(None, now)
+        self.demand *= math.exp(-elapsed / DEMAND_TAU_S)  # kept with no limit too: one may be reported later
         if self.limit is None:
             return
         self.level = min(self.capacity, self.level + elapsed * self.rate)
         self.credit = min(self.credit_cap, self.credit + elapsed * self.low_share * self.rate)
-        self.demand *= math.exp(-elapsed / DEMAND_TAU_S)
         while self.grants and self.grants[0][0] < now - GRANTS_KEPT_S:
             self.grants.popleft()
 
