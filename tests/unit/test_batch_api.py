@@ -175,8 +175,8 @@ def test_a_cancelled_batch_stops_sending_and_keeps_what_finished(tmp_path: Path,
         assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
         assert batch.request_counts.model_dump() == {"total": 3, "completed": 2, "failed": 0}
         assert [texts for texts, _ in model.requests] == [["one"], ["two"]]
-        kept = [orjson.loads(raw)["custom_id"] for raw in client.files.content(batch.output_file_id).content.splitlines()]
-        assert kept == ["1", "2"]
+        kept = client.files.content(batch.output_file_id).content.splitlines()
+        assert [orjson.loads(raw)["custom_id"] for raw in kept] == ["1", "2"]
         refused = http.post(f"/v1/batches/{created.id}/cancel")
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
 
@@ -228,3 +228,19 @@ def test_files_and_finished_batches_past_their_retention_are_removed(tmp_path: P
     assert [f["id"] for f in store.files()] == [fresh["id"]] and store.file(old["id"]) is None
     assert [b["id"] for b in store.batches()] == ["batch_running"]
     assert store.file_path("../../etc/passwd").parent == tmp_path / "files"  # an id is never a path out of it
+
+
+def test_a_journal_line_cut_short_by_a_crash_is_not_a_line_and_the_resuming_runner_cuts_it_off(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    store.record("batch_1", 0, True, b'{"a":1}')
+    store.record("batch_1", 2, False, b'{"b":2}')
+    store.close_journal("batch_1")
+    with (tmp_path / "batches" / "batch_1.journal").open("ab") as journal:
+        journal.write(b'1 1 {"half')  # the process ended mid-write
+    done = store.journal("batch_1")
+    assert {index: entry.ok for index, entry in done.items()} == {0: True, 2: False}
+    assert list(store.journal_lines("batch_1", [done[2], done[0]])) == [b'{"b":2}\n', b'{"a":1}\n']
+    store.journal("batch_1", repair=True)
+    store.record("batch_1", 1, True, b'{"c":3}')  # what the resuming runner appends starts a line of its own
+    done = store.journal("batch_1")
+    assert sorted(done) == [0, 1, 2] and list(store.journal_lines("batch_1", [done[1]])) == [b'{"c":3}\n']

@@ -115,6 +115,7 @@ class BatchRunner:
         except Exception:  # noqa: BLE001 - the batch is tried again at the next poll, after its journal
             logger.exception("batch %s: running it failed; it resumes at the next poll", batch_id)
         finally:
+            self._store.close_journal(batch_id)
             held.close()
 
     # ---- the states ---------------------------------------------------------------------------------------------
@@ -152,8 +153,8 @@ class BatchRunner:
 
     async def _send_lines(self, batch: dict[str, Any]) -> dict[str, Any]:
         batch_id = batch["id"]
-        done = self._store.journal(batch_id)
-        outcomes = {index: record[:1] == b"1" for index, record in done.items()}
+        done = self._store.journal(batch_id, repair=True)
+        outcomes = {index: entry.ok for index, entry in done.items()}
         room = asyncio.Semaphore(LINES_IN_FLIGHT)
         in_flight: set[asyncio.Task] = set()
         seen: set[str] = set()
@@ -223,7 +224,7 @@ class BatchRunner:
             return
 
     def _record(self, batch_id: str, index: int, finished: lines.Finished, outcomes: dict[int, bool]) -> None:
-        self._store.record(batch_id, index, b"%d %s" % (finished.ok, finished.line.rstrip(b"\n")))
+        self._store.record(batch_id, index, finished.ok, finished.line.rstrip(b"\n"))
         outcomes[index] = finished.ok
         self._metrics.line_finished(finished.ok)
 
@@ -249,13 +250,14 @@ class BatchRunner:
     def _finalize(self, batch: dict[str, Any]) -> None:
         """The output and error files, in the input's order, from the journal; then the batch's final status."""
         batch_id = batch["id"]
-        done = sorted(self._store.journal(batch_id).items())
+        done = [entry for _, entry in sorted(self._store.journal(batch_id).items())]
         files = {}
-        for ok, kind in ((b"1", "output"), (b"0", "error")):
-            records = [record[2:] + b"\n" for _, record in done if record[:1] == ok]
-            if records:
+        for ok, kind in ((True, "output"), (False, "error")):
+            chosen = [entry for entry in done if entry.ok is ok]
+            if chosen:
+                lines_of_kind = self._store.journal_lines(batch_id, chosen)
                 files[kind] = self._store.add_file_bytes(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
-                                                         "batch_output", iter(records))["id"]
+                                                         "batch_output", lines_of_kind)["id"]
         now = self._store.now()
         final = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),
                  "expired": ("expired", "expired_at")}

@@ -3,10 +3,10 @@ the loss of the ingress replica running a batch, and a reboot.
 
 Layout: ``files/<id>.json`` (the file object) and ``files/<id>.data`` (its bytes); ``batches/<id>.json`` (the batch
 object; ``.state`` locks it for a change), ``batches/<id>.journal`` (one line for each finished request line,
-appended as it finishes: a batch resumes after its journal; removed once its lines are in the output files) and ``batches/<id>.lock`` (held by the replica running
-the batch, released by the OS when that process ends). An object is written whole to a temporary file and renamed
-over the old one, so no reader sees half of it. The directory is one machine's: ingress replicas on other nodes
-would each see their own.
+appended as it finishes: a batch resumes after its journal; removed once its lines are in the output files) and
+``batches/<id>.lock`` (held by the replica running the batch, released by the OS when that process ends). An object
+is written whole to a temporary file and renamed over the old one, so no reader sees half of it. The directory is
+one machine's: ingress replicas on other nodes would each see their own.
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator, NamedTuple
 
 import orjson
 
 COPY_CHUNK_BYTES = 1 << 20
 SYNC_EVERY_S = 1.0  # the journal reaches the disk at least this often: a reboot redoes at most this much work
+
+
+class Entry(NamedTuple):
+    """One finished line in a batch's journal: in the output file (``ok``) or the error file, and where its output
+    line is in the journal."""
+
+    ok: bool
+    offset: int
+    length: int
 
 
 class TooLarge(Exception):
@@ -40,6 +49,7 @@ class BatchStore:
         self._files.mkdir(parents=True, exist_ok=True)
         self._batches.mkdir(parents=True, exist_ok=True)
         self._synced: dict[str, float] = {}
+        self._journals: dict[str, IO[bytes]] = {}  # open for appending, by batch
 
     def now(self) -> int:
         return int(self._clock())
@@ -128,34 +138,55 @@ class BatchStore:
         for suffix in (".json", ".journal", ".lock", ".state"):
             (self._batches / f"{_safe(batch_id)}{suffix}").unlink(missing_ok=True)
 
-    def journal(self, batch_id: str) -> dict[int, bytes]:
-        """The finished lines of a batch: index to its record (a journal line cut short by a crash is not one)."""
+    def journal(self, batch_id: str, *, repair: bool = False) -> dict[int, Entry]:
+        """The finished lines of a batch, by index. A last line cut short by a crash is not one; with ``repair`` (the
+        runner resuming the batch, before it appends) it is cut off the file, so the next line starts on its own."""
         path = self._batches / f"{_safe(batch_id)}.journal"
-        done: dict[int, bytes] = {}
+        done: dict[int, Entry] = {}
         if not path.exists():
             return done
+        offset = 0
         with path.open("rb") as journal:
             for line in journal:
                 if not line.endswith(b"\n"):
-                    break  # the last line, half written when the process ended
-                index, _, record = line.partition(b" ")
-                done[int(index)] = record.rstrip(b"\n")
+                    break
+                index, ok, _ = line.split(b" ", 2)
+                start = offset + len(index) + len(ok) + 2
+                done[int(index)] = Entry(ok == b"1", start, offset + len(line) - 1 - start)
+                offset += len(line)
+        if repair and path.stat().st_size > offset:
+            os.truncate(path, offset)
         return done
 
-    def drop_journal(self, batch_id: str) -> None:
-        (self._batches / f"{_safe(batch_id)}.journal").unlink(missing_ok=True)
+    def journal_lines(self, batch_id: str, entries: Iterable[Entry]) -> Iterator[bytes]:
+        """The output lines of ``entries``, in their order, read one at a time."""
+        with (self._batches / f"{_safe(batch_id)}.journal").open("rb") as journal:
+            for entry in entries:
+                journal.seek(entry.offset)
+                yield journal.read(entry.length) + b"\n"
+
+    def record(self, batch_id: str, index: int, ok: bool, line: bytes) -> None:
+        """Append one finished line (its output ``line``, one line of JSON) to the batch's journal; it reaches the OS
+        at once (a killed process loses none) and the disk within ``SYNC_EVERY_S``."""
+        journal = self._journals.get(batch_id)
+        if journal is None:
+            journal = self._journals[batch_id] = (self._batches / f"{_safe(batch_id)}.journal").open("ab")
+        journal.write(b"%d %d %s\n" % (index, ok, line))
+        journal.flush()
+        now = time.monotonic()
+        if now - self._synced.get(batch_id, 0.0) >= SYNC_EVERY_S:
+            os.fsync(journal.fileno())
+            self._synced[batch_id] = now
+
+    def close_journal(self, batch_id: str) -> None:
+        journal = self._journals.pop(batch_id, None)
+        if journal is not None:
+            journal.close()
         self._synced.pop(batch_id, None)
 
-    def record(self, batch_id: str, index: int, record: bytes) -> None:
-        """Append one finished line's ``record`` (one line of JSON) to the batch's journal."""
-        path = self._batches / f"{_safe(batch_id)}.journal"
-        with path.open("ab") as journal:
-            journal.write(b"%d %s\n" % (index, record))
-            now = time.monotonic()
-            if now - self._synced.get(batch_id, 0.0) >= SYNC_EVERY_S:
-                journal.flush()
-                os.fsync(journal.fileno())
-                self._synced[batch_id] = now
+    def drop_journal(self, batch_id: str) -> None:
+        self.close_journal(batch_id)
+        (self._batches / f"{_safe(batch_id)}.journal").unlink(missing_ok=True)
 
     def lock(self, batch_id: str) -> IO[bytes] | None:
         """The batch's lock, held until the returned file is closed; None if another process holds it."""
