@@ -1,5 +1,5 @@
-"""An ``openai`` model entry with ``limits:`` against the simulated upstream (no Ray: the replica paces alone on its
-share, the whole limit for one replica): calls wait for the budget instead of drawing the provider's 429s, and a
+"""An ``openai`` model entry with ``limits:`` against the simulated upstream (no shared budget: the replica paces
+alone on its share, the whole limit for one replica): calls wait for the budget instead of drawing the provider's 429s, and a
 request the budget cannot hold within its deadline ends in a 429 whose Retry-After says when it could.
 
 The upstream is served in process (its ASGI app on this test's loop) and the quota runs on the loop's clock, so
@@ -17,12 +17,31 @@ from batching import BatcherConfig, BatcherMetrics
 from deployments.config import ModelConfig, QuotaLimits
 from deployments.errors import UpstreamRateLimited
 from deployments.model.backends import make_backend
+from deployments.model import quota
 from deployments.model.embedder import EmbeddingModel
 from load.upstream import UpstreamConfig, create_app
 
 pytestmark = pytest.mark.looptime
 
 UPSTREAM = UpstreamConfig(base_latency_ms=1.0, per_token_ms=0.0, jitter=0.0, tpm=600)  # 10 tokens a second
+
+
+class NoSharedBudget:
+    """The limiter actor as a replica finds it when it cannot be reached: at once, whether or not this test process
+    runs Ray (the suite's integration tests start it in the same process)."""
+
+    def __init__(self, *_: object) -> None:
+        pass
+
+    async def _unreachable(self, *_: object) -> None:
+        raise ConnectionError("no shared budget in this test")
+
+    claim = renew = report = release = _unreachable
+
+
+@pytest.fixture(autouse=True)
+def alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quota, "RemoteLedger", NoSharedBudget)
 
 
 async def served(config: ModelConfig) -> tuple[EmbeddingModel, httpx.AsyncClient]:
