@@ -126,8 +126,9 @@ async def measure(url: str, settings: Settings, cases: Sequence[str], results_di
     return write_report("backlog", "The backlog under floods, at the client", render(data), data, results_dir)
 
 
-async def _post(session: aiohttp.ClientSession, model: str, kind: str, inputs: list[str], answers: list[Answer],
-                priority: str = "high", timeout_s: float | None = None) -> Answer:
+async def post(session: aiohttp.ClientSession, model: str, kind: str, inputs: list[str], answers: list[Answer],
+               priority: str = "high", timeout_s: float | None = None) -> Answer:
+    """One ``POST /v1/embeddings`` (relative to the session's base URL); its ``Answer`` appended to ``answers``."""
     headers = {"X-Priority": priority}
     if timeout_s is not None:
         headers["X-Request-Timeout"] = f"{timeout_s:g}"
@@ -160,7 +161,7 @@ class Load:
         self.answers: list[Answer] = []
 
     def send(self, kind: str, inputs: list[str], priority: str = "high", timeout_s: float | None = None):
-        return _post(self.session, self.settings.model, kind, inputs, self.answers, priority, timeout_s)
+        return post(self.session, self.settings.model, kind, inputs, self.answers, priority, timeout_s)
 
     def high(self) -> Any:
         return self.send("high", [next(self.texts)], timeout_s=DEADLINE_S)

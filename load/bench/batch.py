@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import io
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import aiohttp
@@ -25,11 +24,13 @@ import numpy as np
 import openai
 import orjson
 
+from embeddings_wire import decode_embeddings
 from load.loadgen import send_open_loop
 from load.peers.launch import DEFAULT_PEERS_DIR, running
 from load.workload import poisson_arrivals, pseudo_sentences
 
-from .options import chosen_settings
+from .backlog import Answer, post, summary
+from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
 from .shipped_service import MODEL, SERVICE, packaged_model_path
 
@@ -56,10 +57,7 @@ QUICK = Settings(documents=2_000, lines_per_batch=1_000, calm_s=3.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for setting in fields(Settings):
-        kind = int if setting.type == "int" else float
-        parser.add_argument(f"--{setting.name.replace('_', '-')}", type=kind,
-                            help=f"(default {setting.default}; --quick {getattr(QUICK, setting.name)})")
+    add_settings_arguments(parser, Settings(), QUICK)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,8 +79,8 @@ def measure(url: str, settings: Settings, results_dir: Any = None, api_key: str 
 async def _runs(url: str, documents: list[str], stream_texts: list[str], settings: Settings,
                 api_key: str) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
-        calm = await _stream(session, url, stream_texts, "high", settings.high_rate_per_s, settings.calm_s, None)
+    async with aiohttp.ClientSession(url, headers={"Authorization": f"Bearer {api_key}"}) as session:
+        calm = await _stream(session, stream_texts, "high", settings.high_rate_per_s, settings.calm_s, None)
         started = time.perf_counter()
         batch_ids, uploaded = [], []
         for first in range(0, len(documents), settings.lines_per_batch):
@@ -97,8 +95,8 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
         submitted_s = time.perf_counter() - started
         done = asyncio.Event()
         streams = asyncio.gather(
-            _stream(session, url, stream_texts, "high", settings.high_rate_per_s, 7200.0, done),
-            _stream(session, url, stream_texts[::-1], "low", settings.low_rate_per_s, 7200.0, done))
+            _stream(session, stream_texts, "high", settings.high_rate_per_s, 7200.0, done),
+            _stream(session, stream_texts[::-1], "low", settings.low_rate_per_s, 7200.0, done))
         batches = await _wait(client, batch_ids)
         done.set()
         wall_s = time.perf_counter() - started
@@ -121,34 +119,15 @@ async def _wait(client: openai.AsyncOpenAI, batch_ids: Sequence[str]) -> list[An
         await asyncio.sleep(POLL_S)
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, texts: Sequence[str], priority: str, rate_per_s: float,
+async def _stream(session: aiohttp.ClientSession, texts: Sequence[str], priority: str, rate_per_s: float,
                   duration_s: float, done: asyncio.Event | None) -> dict[str, Any]:
-    """Single texts at Poisson arrivals, each request's status and latency at this client."""
-    latencies_ms: list[float] = []
-    statuses: dict[int, int] = {}
-
-    async def send(index: int, _: float) -> None:
-        body = {"model": MODEL, "input": texts[index % len(texts)], "encoding_format": "base64"}
-        sent = time.perf_counter()
-        try:
-            async with session.post(f"{url}/v1/embeddings", json=body, headers={"X-Priority": priority}) as reply:
-                await reply.read()
-                status = reply.status
-        except aiohttp.ClientError:
-            status = 0
-        statuses[status] = statuses.get(status, 0) + 1
-        if status == 200:
-            latencies_ms.append((time.perf_counter() - sent) * 1000)
-
+    """Single texts at Poisson arrivals (backlog's requests), each answer's status and latency at this client."""
+    answers: list[Answer] = []
     offsets = poisson_arrivals(rate_per_s, 10**6, duration_s, seed=3 if priority == "high" else 4)
-    await send_open_loop(send, offsets, duration_s + 120.0, until=done.is_set if done is not None else None)
-    ordered = sorted(latencies_ms)
-
-    def quantile(q: float) -> float | None:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
-
-    return {"sent": sum(statuses.values()), "statuses": {str(k): v for k, v in statuses.items()},
-            "p50_ms": quantile(0.5), "p99_ms": quantile(0.99)}
+    await send_open_loop(lambda index, _: post(session, MODEL, priority, [texts[index % len(texts)]], answers,
+                                                priority),
+                         offsets, duration_s + 120.0, until=done.is_set if done is not None else None)
+    return summary(answers)
 
 
 async def _check(client: openai.AsyncOpenAI, documents: list[str], batches: list[Any]) -> dict[str, Any]:
@@ -165,17 +144,10 @@ async def _check(client: openai.AsyncOpenAI, documents: list[str], batches: list
     sample = list(range(0, len(outputs), max(1, len(outputs) // SAMPLE)))[:SAMPLE]
     direct = await client.embeddings.create(model=MODEL, input=[documents[i] for i in sample])
     direct_vectors = np.array([entry.embedding for entry in direct.data], dtype=np.float32)
-    batched = np.array([_vector(outputs[i]) for i in sample], dtype=np.float32)
+    batched = np.array([decode_embeddings(outputs[i]["response"]["body"], 1)[0] for i in sample], dtype=np.float32)
     cosines = (batched * direct_vectors).sum(axis=1) if len(sample) else np.array([])
     return {"lines": len(outputs), "in_order_once_each": in_order, "error_lines": failed,
             "min_cosine": float(cosines.min()) if len(cosines) else None, "sampled": len(sample)}
-
-
-def _vector(line: dict[str, Any]) -> np.ndarray:
-    embedding = line["response"]["body"]["data"][0]["embedding"]
-    if isinstance(embedding, str):
-        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
-    return np.asarray(embedding, dtype=np.float32)
 
 
 def render(data: dict[str, Any]) -> str:
@@ -188,7 +160,7 @@ def render(data: dict[str, Any]) -> str:
     met = ratio is not None and ratio <= TARGET_HIGH_P99_RATIO
     streams = markdown_table(
         ["stream", "requests", "statuses", "P50 ms", "P99 ms"],
-        [[label, run["sent"], ", ".join(f"{n}× {s}" for s, n in sorted(run["statuses"].items())),
+        [[label, run["requests"], ", ".join(f"{n}× {s}" for s, n in sorted(run["statuses"].items())),
           fmt(run["p50_ms"]), fmt(run["p99_ms"])]
          for label, run in (("HIGH alone", data["calm_high"]), ("HIGH beside the batches", data["high"]),
                             ("LOW beside the batches", data["low"]))])

@@ -27,7 +27,7 @@ import argparse
 import asyncio
 import functools
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,7 +38,7 @@ from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .bulk_job import bulk_job, high_stream, write_documents
-from .options import chosen_settings
+from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_MODEL, UNBATCHED, deployed, run_with_upstream_and_service, sim_model_entry
 from .upstream_process import add_upstream_arguments
@@ -66,14 +66,7 @@ QUICK = Settings(documents=400, unbatched_documents=40, unbatched_callers=8, hig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for setting in fields(Settings):
-        flag = f"--{setting.name.replace('_', '-')}"
-        if setting.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"(default {setting.default})")
-        else:
-            kind = int if setting.type == "int" else float
-            quick = getattr(QUICK, setting.name)
-            parser.add_argument(flag, type=kind, help=f"(default {setting.default}; --quick {quick})")
+    add_settings_arguments(parser, Settings(), QUICK)
     add_upstream_arguments(parser)
 
 

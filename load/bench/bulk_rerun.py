@@ -26,7 +26,7 @@ import random
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +37,7 @@ from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .bulk_job import bulk_job, write_documents
-from .options import chosen_settings
+from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_MODEL, deployed, run_with_upstream_and_service, sim_model_entry
 from .upstream_process import add_upstream_arguments
@@ -77,10 +77,7 @@ QUICK = Settings(documents=400)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for setting in fields(Settings):
-        kind = {"int": int, "float": float}.get(setting.type, str)
-        parser.add_argument(f"--{setting.name.replace('_', '-')}", type=kind,
-                            help=f"(default {setting.default}; --quick {getattr(QUICK, setting.name)})")
+    add_settings_arguments(parser, Settings(), QUICK)
     add_upstream_arguments(parser)
 
 

@@ -20,3 +20,15 @@ def chosen_settings(args: argparse.Namespace, defaults: S, quick: S) -> S:
         return replace(base, **given)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, defaults: object, quick: object) -> None:
+    """A ``--<field-name>`` option for each field of a scenario's settings dataclass (``defaults``), its help naming
+    the default and ``quick``'s value; a bool field is an on/off flag (``--no-<name>``)."""
+    for setting in fields(defaults):  # type: ignore[arg-type]
+        flag = f"--{setting.name.replace('_', '-')}"
+        help_text = f"(default {getattr(defaults, setting.name)}; --quick {getattr(quick, setting.name)})"
+        if setting.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(str(setting.type), str), help=help_text)

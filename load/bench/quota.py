@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,7 +43,7 @@ from load.upstream_client import UpstreamClient
 from load.workload import pseudo_sentences
 
 from .bulk_job import bulk_job, high_stream, write_documents
-from .options import chosen_settings
+from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_MODEL, deployed, serve_cluster, sim_model_entry
 from .upstream_process import add_upstream_arguments, upstream_config_from, upstream_process
@@ -88,11 +88,7 @@ QUICK = Settings(documents=300, rpm=600, tpm=20_000, high_rate_per_s=2.0, baseli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for setting in fields(Settings):
-        quick = getattr(QUICK, setting.name)
-        kind = int if setting.type == "int" else float
-        parser.add_argument(f"--{setting.name.replace('_', '-')}", type=kind,
-                            help=f"(default {setting.default}; --quick {quick})")
+    add_settings_arguments(parser, Settings(), QUICK)
     add_upstream_arguments(parser)
 
 

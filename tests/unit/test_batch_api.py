@@ -244,3 +244,43 @@ def test_a_journal_line_cut_short_by_a_crash_is_not_a_line_and_the_resuming_runn
     store.record("batch_1", 1, True, b'{"c":3}')  # what the resuming runner appends starts a line of its own
     done = store.journal("batch_1")
     assert sorted(done) == [0, 1, 2] and list(store.journal_lines("batch_1", [done[1]])) == [b'{"c":3}\n']
+
+
+class CountingModel(HeldModel):
+    """Holds ``held`` as ``HeldModel`` does, answers the rest after a moment, and keeps the most requests it had in
+    hand at once."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__(held)
+        self.in_hand = self.most_in_hand = 0
+
+    async def _answers(self, requests: list[Any]):
+        self.in_hand += len(requests)
+        self.most_in_hand = max(self.most_in_hand, self.in_hand)
+        await asyncio.sleep(0.01)
+        try:
+            async for answers in super()._answers(requests):
+                yield answers
+        finally:
+            self.in_hand -= len(requests)
+
+
+def test_a_batch_never_has_more_lines_in_flight_than_its_bound_whatever_wakes_the_runner(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(runner_module, "LINES_IN_FLIGHT", 1)
+    model = CountingModel("two")
+    api = create_api({MODEL: model}, batch=BatchConfig(directory=str(tmp_path)))
+    with TestClient(api) as http:
+        client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http, max_retries=0)
+        texts = ["one", "two", "three", "four", "five"]
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(b"".join(line(t, t) for t in texts))),
+                                       purpose="batch")
+        created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        while [texts for texts, _ in model.requests] != [["one"]]:
+            time.sleep(0.005)
+        empty = client.files.create(file=("empty.jsonl", io.BytesIO(b"\n")), purpose="batch")
+        client.batches.create(input_file_id=empty.id, endpoint="/v1/embeddings", completion_window="24h")  # a wake
+        time.sleep(0.05)  # while "three" waits for "two"'s room
+        model.release.set()
+        assert wait_for(client, created.id).status == "completed"
+    assert model.most_in_hand == 1

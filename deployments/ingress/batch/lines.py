@@ -6,7 +6,7 @@ wrong method or URL) has ``"response": null`` and an ``error`` with a ``code`` a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import orjson
 
@@ -88,9 +88,3 @@ def _line(custom_id: str | None, response: bytes, error: bytes) -> bytes:
     return b'{"id":%s,"custom_id":%s,"response":%s,"error":%s}\n' % (
         orjson.dumps(new_id("batch_req_")), orjson.dumps(custom_id), response, error)
 
-
-def request_counts(total: int, outcomes: Any) -> dict[str, int]:
-    """``request_counts`` from the finished lines' outcomes (``Finished``-like, with ``ok``)."""
-    finished = list(outcomes)
-    completed = sum(1 for outcome in finished if outcome.ok)
-    return {"total": total, "completed": completed, "failed": len(finished) - completed}

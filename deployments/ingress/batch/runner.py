@@ -58,6 +58,7 @@ class BatchRunner:
         self._config = config
         self._metrics = metrics if metrics is not None else BatchMetrics()
         self._running: dict[str, asyncio.Task] = {}
+        self._finished: dict[str, str] = {}  # the final status of each finished batch seen
         self._wake = asyncio.Event()
         self._wakes = 0  # how many times woken: a running batch looks at its status again when this moves
         self._swept = -SWEEP_S
@@ -86,11 +87,10 @@ class BatchRunner:
         await asyncio.gather(*self._running.values(), return_exceptions=True)
 
     def _start_what_is_free(self) -> None:
-        batches = self._store.batches()
-        self._metrics.batches({status: sum(b["status"] == status for b in batches) for status in STATUSES})
-        for batch in batches:
-            batch_id = batch["id"]
-            if batch["status"] not in ACTIVE or batch_id in self._running:
+        statuses = self._statuses()
+        self._metrics.batches({status: sum(s == status for s in statuses.values()) for status in STATUSES})
+        for batch_id, status in statuses.items():
+            if status not in ACTIVE or batch_id in self._running:
                 continue
             held = self._store.lock(batch_id)
             if held is None:
@@ -98,6 +98,25 @@ class BatchRunner:
             task = asyncio.ensure_future(self._run(batch_id, held))
             self._running[batch_id] = task
             task.add_done_callback(lambda _, batch_id=batch_id: self._running.pop(batch_id, None))
+
+    def _statuses(self) -> dict[str, str]:
+        """Every batch's status: a finished batch's is read once (it never changes), an active one's each poll, so
+        a poll of a store of many finished batches reads no more than the active ones."""
+        ids = self._store.batch_ids()
+        statuses = {}
+        for batch_id in ids:
+            status = self._finished.get(batch_id)
+            if status is None:
+                batch = self._store.batch(batch_id)
+                if batch is None:
+                    continue  # removed since the listing
+                status = batch["status"]
+                if status in FINAL:
+                    self._finished[batch_id] = status
+            statuses[batch_id] = status
+        for removed in self._finished.keys() - set(ids):
+            del self._finished[removed]
+        return statuses
 
     async def _run(self, batch_id: str, held: IO[bytes]) -> None:
         try:
@@ -169,21 +188,18 @@ class BatchRunner:
                 request, finished = self._read(raw, seen)
                 if index in done:
                     continue
+                if finished is None:
+                    await room.acquire()  # before the status is looked at: a cancel may come while it waits
                 if self._wakes != wakes or time.monotonic() - checked >= POLL_S:
                     checked, wakes = time.monotonic(), self._wakes
                     status = self._progress(batch_id, outcomes)
                 if status != "in_progress":
+                    if finished is None:
+                        room.release()
                     break
                 if finished is not None:
                     self._record(batch_id, index, finished, outcomes)
                     continue
-                await room.acquire()
-                if self._wakes != wakes:  # cancelled here while this line waited for room
-                    room.release()
-                    checked, wakes = time.monotonic(), self._wakes
-                    status = self._progress(batch_id, outcomes)
-                    if status != "in_progress":
-                        break
                 task = asyncio.ensure_future(self._send(batch_id, index, request, outcomes))
                 in_flight.add(task)
                 task.add_done_callback(lambda task: (in_flight.discard(task), room.release()))

@@ -132,7 +132,11 @@ class BatchStore:
 
     def batches(self) -> list[dict[str, Any]]:
         """Every batch, newest first."""
-        return _newest_first(_read_json(path) for path in self._batches.glob("*.json"))
+        return _newest_first(self.batch(batch_id) for batch_id in self.batch_ids())
+
+    def batch_ids(self) -> list[str]:
+        """Every batch's id, from the directory's listing alone."""
+        return [path.stem for path in self._batches.glob("*.json")]
 
     def delete_batch(self, batch_id: str) -> None:
         for suffix in (".json", ".journal", ".lock", ".state"):

@@ -219,7 +219,7 @@ class QuotaPacer:
         self._reports: list[Report] = []
         self._report_times: list[float] = []
         self._leases = {priority: _Lease() for priority in Priority}
-        self._renewals: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # renewals, releases and reports sent in the background
 
     async def paced(self, inputs: Sequence[PacedInput],
                     send: Callable[[], Awaitable[Sequence[Any]]]) -> Sequence[Any]:
@@ -376,8 +376,8 @@ class QuotaPacer:
 
     def _background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
-        self._renewals.add(task)
-        task.add_done_callback(self._renewals.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _back(self, result: Answer, priority: Priority) -> None:
         if self._alone_until is not None:
