@@ -58,5 +58,6 @@ def bind_model(model: ModelConfig) -> Application:
 
 def bind_ingress(config: AppConfig, models: Mapping[str, Application]) -> Application:
     return EmbeddingsIngress.options(**ingress_deployment_options(config)).bind(
-        dict(models), max_body_bytes=config.ingress.max_body_bytes, batch=config.batch
+        dict(models), max_body_bytes=config.ingress.max_body_bytes, batch=config.batch,
+        relayed={model.name: model.provider_batches for model in config.models if model.provider_batches is not None},
     )

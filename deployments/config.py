@@ -12,6 +12,7 @@ args:
       autoscaling: {min_replicas: 1, max_replicas: 2, policy: {...}}            # Ray Serve autoscaling_config
       cache: {store: disk, max_bytes: 1073741824}                               # CacheConfig fields; none: off
       limits: {rpm: 3000, tpm: 1000000, headroom: 0.9}                          # openai: QuotaLimits fields
+      provider_batches: {poll_s: 60}              # openai, with a cache: ProviderBatchConfig fields; none: off
   ingress: {max_ongoing_requests: 1024}
   batch: {directory: /var/lib/embeddings/batch}                                  # BatchConfig fields (Batch API)
 ```
@@ -141,6 +142,20 @@ class QuotaLimits(_Section):
         return self
 
 
+class ProviderBatchConfig(_Section):
+    """An ``openai`` entry's Batch API work relayed to the provider's own Batch API, at its batch price
+    (``deployments/ingress/batch/relay.py``): a batch's distinct uncached inputs go in provider batches of at most
+    these sizes, their vectors into the entry's cache, and its lines are then answered from the cache."""
+
+    poll_s: Seconds = 30.0  # how often a provider batch in progress is looked at
+    max_lines: Annotated[int, _int_at_least(1)] = 50_000  # request lines in one provider batch (OpenAI's limit)
+    # bytes of one provider batch's input file, kept under OpenAI's 200 MB
+    max_file_bytes: Annotated[int, _int_at_least(1024, " (bytes)")] = 190 * 1024 * 1024
+    inputs_per_line: Annotated[int, _int_at_least(1)] = 256  # inputs in one request line (OpenAI takes 2048)
+    # provider batches an input is sent in before its line is an error (a failed line's inputs go alone after)
+    tries: Annotated[int, _int_at_least(1)] = 3
+
+
 def _batcher_config(section: Any, info: ValidationInfo) -> BatcherConfig:
     """``batching:`` (BatcherConfig fields, with ``max_batch_tokens`` for ``max_batch_cost``) as a BatcherConfig."""
     if isinstance(section, BatcherConfig):
@@ -230,6 +245,7 @@ class ModelConfig(_Section):
         default_factory=BatcherConfig, validation_alias="batching")
     cache: CacheConfig | None = None
     limits: QuotaLimits | None = None  # openai only: the provider's rate limits
+    provider_batches: ProviderBatchConfig | None = None  # openai only, with a cache: Batch API work relayed
     autoscaling: Annotated[dict[str, Any] | None, BeforeValidator(_autoscaling_config)] = None
     num_replicas: Count = None
     max_ongoing_requests: Count = None
@@ -276,12 +292,15 @@ class ModelConfig(_Section):
             raise ValueError("only device cuda takes this option (the CPU computes in fp32 and reserves no GPU)")
         return value
 
-    @field_validator("base_url", "api_key_env", "upstream_model", "limits", mode="before")
+    @field_validator("base_url", "api_key_env", "upstream_model", "limits", "provider_batches", mode="before")
     @classmethod
     def _openai_only(cls, value: Any, info: ValidationInfo) -> Any:
         backend = info.data.get("backend")
         if backend == "local" and value is not None:
             raise ValueError("only the openai backend takes this option")
+        if info.field_name == "provider_batches" and value is not None and info.data.get("cache") is None:
+            raise ValueError("relaying batches needs the entry's cache: the provider's vectors wait in it for the "
+                             "batch's output (set cache: {store: disk} or {store: redis})")
         if backend == "openai" and info.field_name == "base_url" and not isinstance(value, str):
             raise ValueError("the openai backend needs the upstream's base URL (e.g. https://api.openai.com/v1)")
         return value
@@ -408,7 +427,8 @@ def parse_app_config(args: Any) -> AppConfig:
 
 # The sections whose unknown keys are reported, by the setting that holds them (the top level: "").
 _SECTIONS: dict[str, type[_Section]] = {"": AppConfig, "models": ModelConfig, "cache": CacheConfig,
-                                        "ingress": IngressConfig, "limits": QuotaLimits, "batch": BatchConfig}
+                                        "ingress": IngressConfig, "limits": QuotaLimits, "batch": BatchConfig,
+                                        "provider_batches": ProviderBatchConfig}
 
 
 def _problems(exc: ValidationError) -> list[str]:

@@ -96,6 +96,11 @@ class UpstreamFailed(ServiceError):
     pass
 
 
+class NotCached(UpstreamFailed):
+    """An input a cache-only request (a relayed batch's line) found no vector for: the provider's batch has not
+    returned it (yet)."""
+
+
 class ServiceUnavailable(ServiceError):
     """Shutting down, or no replica answers: retry in a second."""
 

@@ -52,3 +52,4 @@ class EmbedRequest(NamedTuple):
     dimensions: int | None = None
     prompt_name: str | None = None  # one of the model's prompts; or
     input_type: str | None = None  # "query" | "document" (INPUT_TYPES): the model's prompt for it, if any
+    cached_only: bool = False  # answered from the model's cache alone: an input it lacks fails (NotCached)

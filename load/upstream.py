@@ -4,7 +4,8 @@ Run it:      python -m load.upstream --port 8100 --rpm 3000 --error-rate 0.01   
 In process:  with run_upstream(UpstreamConfig(base_latency_ms=1)) as upstream: ... upstream.base_url ...
 
 Each input's embedding is `load.hashvec.hash_embedding(input, dim)`, so a client can check every result belongs to
-its input. Fault settings change at run time through `POST /admin/faults`; counters are at `GET /stats`.
+its input. Fault settings change at run time through `POST /admin/faults`; counters are at `GET /stats`. Its Batch API
+(`/v1/files`, `/v1/batches`) is `load.upstream_batches`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import bpe_openai
 import httpx
 import numpy as np
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from load.hashvec import hash_embedding
+from load.upstream_batches import BatchNotFound, SimulatedBatches
 
 MAX_INPUTS_PER_CALL = 2048
 
@@ -67,16 +69,20 @@ class UpstreamConfig:
     slow_ms: float = field(default=1000.0, metadata={"help": "extra latency of a slow call"})
     api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer <key>' on /v1"})
     seed: int = field(default=0, metadata={"help": "seed of the latency and fault random draws"})
+    batch_delay_s: float = field(default=2.0, metadata={"help": "a Batch API batch completes this long after it "
+                                                                "was created"})
+    batch_error_rate: float = field(default=0.0, metadata={
+        "help": "fraction of Batch API lines answered 500 in the error file, spread evenly"})
 
     def __post_init__(self) -> None:
-        durations = (self.base_latency_ms, self.per_token_ms, self.jitter, self.slow_ms)
-        rates = (self.error_rate, self.slow_rate)
+        durations = (self.base_latency_ms, self.per_token_ms, self.jitter, self.slow_ms, self.batch_delay_s)
+        rates = (self.error_rate, self.slow_rate, self.batch_error_rate)
         rules = (
             ("dim must be >= 1", self.dim >= 1),
-            ("base_latency_ms, per_token_ms, jitter and slow_ms must be >= 0", min(durations) >= 0),
+            ("base_latency_ms, per_token_ms, jitter, slow_ms and batch_delay_s must be >= 0", min(durations) >= 0),
             ("max_concurrency must be >= 1", self.max_concurrency >= 1),
             ("rpm and tpm must be None or >= 1", all(limit is None or limit >= 1 for limit in (self.rpm, self.tpm))),
-            ("error_rate and slow_rate must be within [0, 1]", all(0 <= rate <= 1 for rate in rates)),
+            ("error_rate, slow_rate and batch_error_rate must be within [0, 1]", all(0 <= rate <= 1 for rate in rates)),
             ("max_input_tokens must be >= 1", self.max_input_tokens >= 1),
             ("fail_marker and slow_marker must be None or non-empty", "" not in (self.fail_marker, self.slow_marker)),
         )
@@ -113,8 +119,10 @@ class ProviderError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(math.ceil(self.retry_after_s))
             headers["retry-after-ms"] = str(math.ceil(self.retry_after_s * 1000))
-        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
 def invalid_input(index: int, reason: str, code: str) -> ProviderError:
@@ -127,6 +135,13 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+class BatchRequest(BaseModel):
+    input_file_id: str
+    endpoint: Literal["/v1/embeddings"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
 
 
 class FaultChanges(BaseModel):
@@ -236,6 +251,18 @@ class SimulatedProvider:
         except ProviderError as error:
             self.stats.failures_by_status[error.status] += 1
             raise
+
+    def answer_offline(self, body: bytes) -> tuple[int, dict[str, Any], int, int]:
+        """A Batch API line's body answered as ``/v1/embeddings`` would answer it, without latency, rate limits or
+        real-time billing: its status, response body, inputs and tokens."""
+        try:
+            request = _parse_request(body)
+            items = _items(request.input)
+            tokens = sum(self._check_items(items))
+            self._check_dimensions(request.dimensions)
+        except ProviderError as error:
+            return error.status, error.body(), 0, 0
+        return 200, self._response(request, items, tokens), len(items), tokens
 
     def reset_stats(self) -> None:
         self.stats = UpstreamStats(max_concurrent_seen=self._in_flight)
@@ -416,28 +443,74 @@ def _base64_floats(vector: np.ndarray) -> str:
 
 def create_app(config: UpstreamConfig) -> FastAPI:
     provider = SimulatedProvider(config)
+    batches = SimulatedBatches(provider)
     app = FastAPI(title="Simulated upstream embeddings API")
 
     @app.exception_handler(ProviderError)
     async def answer_provider_error(_: Request, error: ProviderError) -> JSONResponse:
         return error.response()
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> JSONResponse:
+    @app.exception_handler(BatchNotFound)
+    async def answer_not_found(_: Request, error: BatchNotFound) -> JSONResponse:
+        return ProviderError(404, str(error), "invalid_request_error").response()
+
+    def authorized(request: Request) -> None:
         if config.api_key is not None and request.headers.get("authorization") != f"Bearer {config.api_key}":
             raise ProviderError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        authorized(request)
         result = await provider.embeddings(await request.body())
         headers = {"openai-processing-ms": f"{result.processing_ms:.0f}", **result.headers}
         return JSONResponse(result.body, headers=headers)
 
+    @app.post("/v1/files")
+    async def create_file(request: Request, file: UploadFile, purpose: str = Form()) -> dict[str, Any]:
+        authorized(request)
+        return batches.add_file(file.filename or "upload.jsonl", purpose, await file.read())
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(request: Request, file_id: str) -> dict[str, Any]:
+        authorized(request)
+        return batches.file(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        authorized(request)
+        return Response(batches.content(file_id), media_type="application/octet-stream")
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request, body: BatchRequest) -> dict[str, Any]:
+        authorized(request)
+        return batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata, _now())
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, limit: int = 20) -> dict[str, Any]:
+        authorized(request)
+        data = batches.list(limit)
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": False}
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
+        authorized(request)
+        return batches.retrieve(batch_id, _now())
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+        authorized(request)
+        return batches.cancel(batch_id, _now())
+
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return provider.stats.as_json()
+        return {**provider.stats.as_json(), "batch": batches.stats.as_json()}
 
     @app.post("/stats/reset")
     async def reset_stats() -> dict[str, Any]:
         provider.reset_stats()
-        return provider.stats.as_json()
+        batches.reset_stats()
+        return {**provider.stats.as_json(), "batch": batches.stats.as_json()}
 
     @app.post("/admin/faults")
     async def set_faults(changes: FaultChanges) -> dict[str, Any]:

@@ -26,12 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from batching import Priority
-from deployments.config import DEFAULT_MAX_BODY_BYTES, BatchConfig
+from deployments.config import DEFAULT_MAX_BODY_BYTES, BatchConfig, ProviderBatchConfig
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
                                 PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
                                 unwrap)
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys
+from deployments.ingress.batch.relay import BatchRelay, RelayedModel
 from deployments.ingress.batch.routes import BatchRoutes
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
@@ -61,20 +62,27 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
                unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
-               batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None) -> "EmbeddingsApi":
+               batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None,
+               relayed: Mapping[str, ProviderBatchConfig] | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
-    its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``."""
+    its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``; the lines of the models in ``relayed``
+    go to their provider's Batch API first, with those settings."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
     routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable)
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
-        runner = BatchRunner(store, functools.partial(routes.embed_body, priority=Priority.LOW, deadline=None), batch,
-                             batch_metrics)
+
+        async def embed_line(body: bytes, cached_only: bool) -> bytes:
+            return await routes.embed_body(body, Priority.LOW, None, cached_only)
+
+        relay = BatchRelay(store, {name: RelayedModel(models[name], config)
+                                   for name, config in (relayed or {}).items()}) if relayed else None
+        runner = BatchRunner(store, embed_line, batch, batch_metrics, relay)
     app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=None if runner is None else functools.partial(_running, runner))
     app.add_exception_handler(ServiceError, _service_error)
@@ -136,13 +144,13 @@ class EmbeddingsApi:
 @serve.ingress()  # no app yet: Serve asks each replica for it, after __init__, through __serve_build_asgi_app__
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 batch: BatchConfig | None = None) -> None:
+                 batch: BatchConfig | None = None, relayed: Mapping[str, ProviderBatchConfig] | None = None) -> None:
         api_keys = ApiKeys.from_env()
         health = ModelHealth(serve.get_replica_context().app_name,
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics())
+                               batch_metrics=RayBatchMetrics(), relayed=relayed)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -171,15 +179,16 @@ class _Routes:
         content = await self.embed_body(await self._read_body(request, deadline), priority, deadline)
         return Response(content=content, media_type="application/json")
 
-    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None) -> bytes:
+    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None,
+                         cached_only: bool = False) -> bytes:
         """A ``/v1/embeddings`` request body's response body, or the ``ServiceError`` it fails with: the route's
-        work, and a batch line's."""
+        work, and a batch line's (``cached_only``: a relayed batch's, answered from the model's cache alone)."""
         body = schemas.parse_request(raw)
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
-                             input_type=body.input_type)
+                             input_type=body.input_type, cached_only=cached_only)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
         return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
 

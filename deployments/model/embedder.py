@@ -28,6 +28,7 @@ from deployments.model.cache import CacheMetrics, make_cache
 from deployments.model.metrics import RayServeMetrics
 from deployments.model.quota import make_pacer
 from deployments.model.quota.metrics import RayQuotaMetrics
+from deployments.model.relay import ProviderRelay
 from deployments.model.stage import EmbeddingStage
 from deployments.wire import Deadline, EmbedRequest
 
@@ -57,6 +58,7 @@ class EmbeddingModel:
                                        metrics if metrics is not None else RayServeMetrics(), pacer)
         self._cache = make_cache(model, self._batched, cache_metrics)
         self._first_stage: EmbeddingStage = self._cache if self._cache is not None else self._batched
+        self._relay = self._provider_relay()
         self._closing = False
 
     async def embed(
@@ -89,6 +91,28 @@ class EmbeddingModel:
         finally:
             for task in pending:
                 task.cancel()
+
+    # ---- a Batch API batch relayed to the provider's (deployments/model/relay.py; the ingress's runner calls) ---------
+
+    async def relay_uncached(self, inputs: Sequence[Any], dimensions: int | None = None) -> list[int]:
+        """The indexes of ``inputs`` the cache lacks and the provider can embed."""
+        try:
+            key = self._output_size(dimensions)
+        except InvalidRequest:
+            return []  # every line asking for this size fails as its request would
+        return await self._relaying().uncached(inputs, dimensions, key)
+
+    async def relay_submit(self, tag: str, inputs: Sequence[Any], dimensions: int | None, per_line: int) -> str:
+        """The id of the provider batch embedding ``inputs`` (the one already made under ``tag``, if any)."""
+        return await self._relaying().submit(tag, inputs, dimensions, per_line)
+
+    async def relay_collect(self, batch_id: str, inputs: Sequence[Any], dimensions: int | None,
+                            per_line: int) -> tuple[str, bool, int]:
+        """The provider batch's status, whether it is final, and how many of ``inputs`` it embedded (then cached)."""
+        return await self._relaying().collect(batch_id, inputs, dimensions, self._output_size(dimensions), per_line)
+
+    async def relay_cancel(self, batch_id: str) -> None:
+        await self._relaying().cancel(batch_id)
 
     async def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""
@@ -155,8 +179,11 @@ class EmbeddingModel:
         if deadline is not None and deadline.remaining() <= 0:
             raise RequestTimedOut("the request timed out before it was embedded")
         try:
-            outcomes = await self._first_stage.embed(prepared, dimensions=dimensions, priority=level,
-                                                     deadline=deadline)
+            if request.cached_only:
+                outcomes = await self._cached(prepared, dimensions)
+            else:
+                outcomes = await self._first_stage.embed(prepared, dimensions=dimensions, priority=level,
+                                                         deadline=deadline)
         except Overloaded as exc:
             raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
                                   retry_after_s=exc.retry_after_s) from None
@@ -166,6 +193,26 @@ class EmbeddingModel:
             raise InvalidRequest(str(exc), param="input") from None
         self._raise_first_failure(outcomes)
         return np.stack(outcomes).astype(np.float32, copy=False), [item.tokens for item in prepared]
+
+    async def _cached(self, prepared: Sequence[Prepared], dimensions: int | None) -> list[Any]:
+        if self._cache is None:
+            raise InvalidRequest(f"model {self._model.name!r} has no cache to answer from", param="model")
+        return await self._cache.cached(prepared, dimensions=dimensions)
+
+    def _provider_relay(self) -> ProviderRelay | None:
+        """What relays Batch API work to the provider's Batch API, if the entry says so."""
+        provider_batches = getattr(self._backend, "provider_batches", None)
+        if self._model.provider_batches is None or self._cache is None or provider_batches is None:
+            return None
+        return ProviderRelay(provider_batches(), self._cache, self._prepare_to_relay)
+
+    def _relaying(self) -> ProviderRelay:
+        if self._relay is None:
+            raise InvalidRequest(f"model {self._model.name!r} does not relay batches to its provider", param="model")
+        return self._relay
+
+    async def _prepare_to_relay(self, inputs: Sequence[Any]) -> list[Prepared | BaseException]:
+        return self._within_token_limit(await self._backend.prepare_many(inputs, "", True))
 
     def _output_size(self, dimensions: int | None) -> int | None:
         """The batcher key: None for the model's own size, so asking for it explicitly shares that batcher."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -70,3 +70,28 @@ class HeldModel(FakeModel):
                 await asyncio.sleep(0.005)
         async for answers in super()._answers(requests):
             yield answers
+
+
+class LocalHandle:
+    """A real ``EmbeddingModel`` behind a handle's calls, made on the first call (in the event loop that serves
+    it): ``options(method_name=..., stream=...).remote(...)`` as a ``DeploymentHandle`` answers."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self.model: Any = None
+
+    def options(self, method_name: str = "__call__", stream: bool = False, **_: Any) -> "_LocalCall":
+        return _LocalCall(self, method_name, stream)
+
+
+class _LocalCall:
+    def __init__(self, handle: LocalHandle, method_name: str, stream: bool) -> None:
+        self._handle = handle
+        self._method_name = method_name
+        self._stream = stream
+
+    def remote(self, *args: Any) -> Any:
+        if self._handle.model is None:
+            self._handle.model = self._handle._make()
+        method = getattr(self._handle.model, self._method_name)
+        return _Stream(method(*args).__aiter__()) if self._stream else asyncio.ensure_future(method(*args))

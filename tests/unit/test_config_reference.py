@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel
 
 from batching import BatcherConfig
-from deployments.config import AppConfig, BatchConfig, CacheConfig, IngressConfig, ModelConfig, QuotaLimits
+from deployments.config import (AppConfig, BatchConfig, CacheConfig, IngressConfig, ModelConfig, ProviderBatchConfig,
+                                QuotaLimits)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROW = re.compile(r"^\|\s*`(?P<field>\w+)`\s*\|(?P<default>[^|]*)\|(?P<meaning>.*)\|\s*$")
@@ -39,6 +40,7 @@ SECTIONS: dict[str, Section] = {
     "BatcherConfig": BatcherConfig,
     "CacheConfig": CacheConfig,
     "QuotaLimits": QuotaLimits,
+    "ProviderBatchConfig": ProviderBatchConfig,
     "IngressConfig": IngressConfig,
     "BatchConfig": BatchConfig,
 }

@@ -40,7 +40,7 @@ def test_the_shipped_serve_config_builds_the_ingress_over_its_model() -> None:
     ingress = build_app(serve_config_args())._bound_deployment
     options = ingress_deployment_options(config)
     assert (ingress.name, ingress.max_ongoing_requests) == (options["name"], options["max_ongoing_requests"])
-    assert ingress.init_kwargs == {"max_body_bytes": config.ingress.max_body_bytes, "batch": config.batch}
+    assert ingress.init_kwargs == {"max_body_bytes": config.ingress.max_body_bytes, "batch": config.batch, "relayed": {}}
     (models,) = ingress.init_args
     assert list(models) == [model.name]
     bound = models[model.name]._bound_deployment

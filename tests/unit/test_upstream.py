@@ -332,7 +332,7 @@ def test_api_key_is_required_when_configured() -> None:
 def test_cli_has_a_flag_for_every_config_field() -> None:
     wanted = UpstreamConfig(dim=8, base_latency_ms=5.5, per_token_ms=0.5, jitter=0.1, max_concurrency=3, rpm=600,
                             tpm=1000, error_rate=0.25, max_input_tokens=100, fail_marker="X", slow_marker="S",
-                            slow_rate=0.5, slow_ms=20.0, api_key="k", seed=7)
+                            slow_rate=0.5, slow_ms=20.0, api_key="k", seed=7, batch_delay_s=0.5, batch_error_rate=0.1)
     config_fields = dataclasses.fields(UpstreamConfig)
     assert all(getattr(wanted, f.name) != f.default for f in config_fields)  # every field set away from its default
     argv = [part for f in config_fields for part in (f"--{f.name.replace('_', '-')}", str(getattr(wanted, f.name)))]

@@ -29,6 +29,7 @@ class LineError(Exception):
 class Request(NamedTuple):
     custom_id: str
     body: bytes  # the /v1/embeddings request body, as JSON
+    model: str | None  # the model the body names, if it names one as a string
 
 
 class Finished(NamedTuple):
@@ -55,7 +56,8 @@ def parse(raw: bytes) -> Request:
         raise LineError("invalid_url", f"the line's 'url' must be {ENDPOINT}, this batch's endpoint")
     if not isinstance(line.get("body"), dict):
         raise LineError("invalid_body", "the line's 'body' must be a JSON object")
-    return Request(custom_id, orjson.dumps(line["body"]))
+    model = line["body"].get("model")
+    return Request(custom_id, orjson.dumps(line["body"]), model if isinstance(model, str) else None)
 
 
 def custom_id_of(raw: bytes) -> str | None:

@@ -7,6 +7,9 @@ A batch goes ``validating`` (its input file read and counted) -> ``in_progress``
 files written in the input's order) -> ``completed``; or ``failed`` (its input file unusable), ``expired`` (its
 completion window passed first) or ``cancelling`` -> ``cancelled``, the last two with the lines finished so far.
 
+Lines for a model that relays batches to its provider (``provider_batches``) are embedded by the provider's Batch
+API first and then answered from the model's cache alone (``relay.py``), in rounds until each is final.
+
 Every replica runs a runner; a batch runs in whichever replica takes its lock first, and again, after its journal,
 in whichever takes it after that one's process ended: a line finished before is never sent again. A line refused
 for now (the model overloaded, the quota spent, its replica lost) is sent again after its Retry-After; a line the
@@ -21,13 +24,15 @@ import time
 from typing import IO, Any, Awaitable, Callable
 
 from deployments.config import BatchConfig
-from deployments.errors import RetryLater, ServiceError, ServiceUnavailable
+from deployments.errors import NotCached, RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed
 from deployments.ingress.batch import lines
+from deployments.ingress.batch.relay import BatchRelay
 from deployments.ingress.batch.store import BatchStore
 
 logger = logging.getLogger("ray.serve")
 
-Embed = Callable[[bytes], Awaitable[bytes]]  # a /v1/embeddings request body -> its response body, sent as LOW
+# a /v1/embeddings request body, and whether only the model's cache may answer it -> its response body, sent as LOW
+Embed = Callable[[bytes, bool], Awaitable[bytes]]
 
 LINES_IN_FLIGHT = 256
 POLL_S = 1.0  # how often a runner looks for batches to run (and a running batch for a cancel)
@@ -52,9 +57,11 @@ class BatchMetrics:
 
 class BatchRunner:
     def __init__(self, store: BatchStore, embed: Embed, config: BatchConfig,
-                 metrics: BatchMetrics | None = None) -> None:
+                 metrics: BatchMetrics | None = None, relay: BatchRelay | None = None) -> None:
+        """``relay``: the models whose lines the provider's Batch API embeds first (None: none)."""
         self._store = store
         self._embed = embed
+        self._relay = relay
         self._config = config
         self._metrics = metrics if metrics is not None else BatchMetrics()
         self._running: dict[str, asyncio.Task] = {}
@@ -125,8 +132,11 @@ class BatchRunner:
                 return  # finished by the replica that held the lock before this one looked
             if batch["status"] == "validating":
                 batch = self._validate(batch_id)
-            if batch["status"] in ("in_progress", "cancelling"):
-                batch = await self._send_lines(batch)
+            while batch["status"] in ("in_progress", "cancelling"):
+                final = batch["status"] == "cancelling" or not await self._relay_round(batch)
+                batch = await self._send_lines(batch, final)  # a relayed line the round did not embed waits
+                if final:
+                    break
             if batch["status"] in ("finalizing", "cancelling", "expired"):
                 self._finalize(batch)
         except asyncio.CancelledError:
@@ -170,7 +180,19 @@ class BatchRunner:
 
         return self._store.update_batch(batch_id, validated) or batch
 
-    async def _send_lines(self, batch: dict[str, Any]) -> dict[str, Any]:
+    async def _relay_round(self, batch: dict[str, Any]) -> bool:
+        """A round of the provider's Batch API for the relayed lines not finished (relay.py); False if there was
+        nothing to relay."""
+        if self._relay is None:
+            return False
+        done = self._store.journal(batch["id"])
+        outcomes = {index: entry.ok for index, entry in done.items()}
+        return await self._relay.round(batch, done.keys(),
+                                       lambda: self._progress(batch["id"], outcomes) == "in_progress")
+
+    async def _send_lines(self, batch: dict[str, Any], final: bool) -> dict[str, Any]:
+        """Send the lines not finished; with ``final``, a relayed line whose inputs the cache lacks is an error line,
+        else it is left for the relay's next round."""
         batch_id = batch["id"]
         done = self._store.journal(batch_id, repair=True)
         outcomes = {index: entry.ok for index, entry in done.items()}
@@ -200,12 +222,13 @@ class BatchRunner:
                 if finished is not None:
                     self._record(batch_id, index, finished, outcomes)
                     continue
-                task = asyncio.ensure_future(self._send(batch_id, index, request, outcomes))
+                task = asyncio.ensure_future(self._send(batch_id, index, request, outcomes, final))
                 in_flight.add(task)
                 task.add_done_callback(lambda task: (in_flight.discard(task), room.release()))
         if in_flight:
             await asyncio.gather(*in_flight)
-        self._progress(batch_id, outcomes, finished=status == "in_progress")
+        every_line = len(outcomes) == batch["request_counts"]["total"]
+        self._progress(batch_id, outcomes, finished=status == "in_progress" and every_line)
         return self._store.batch(batch_id) or batch
 
     def _read(self, raw: bytes, seen: set[str]) -> tuple[lines.Request | None, lines.Finished | None]:
@@ -220,11 +243,18 @@ class BatchRunner:
         seen.add(request.custom_id)
         return request, None
 
-    async def _send(self, batch_id: str, index: int, request: lines.Request, outcomes: dict[int, bool]) -> None:
+    async def _send(self, batch_id: str, index: int, request: lines.Request, outcomes: dict[int, bool],
+                    final: bool) -> None:
         unavailable = 0
+        relayed = self._relay is not None and self._relay.relays(request.model)
         while True:
             try:
-                finished = lines.answered(request.custom_id, await self._embed(request.body))
+                finished = lines.answered(request.custom_id, await self._embed(request.body, relayed))
+            except NotCached:
+                if not final:
+                    return  # the relay's next round embeds it
+                finished = lines.refused(request.custom_id, UpstreamFailed(
+                    "the provider's Batch API did not embed this line's input; retry it in a new batch"))
             except RetryLater as error:  # the model or its quota is busy: this line's turn comes
                 await asyncio.sleep(max(RETRY_S, error.retry_after_s))
                 continue
@@ -285,6 +315,7 @@ class BatchRunner:
 
         self._store.update_batch(batch_id, finalized)
         self._store.drop_journal(batch_id)  # its lines are in the files now, once the status says so
+        self._store.drop_relay(batch_id)
 
     def _sweep(self) -> None:
         """Files and finished batches older than the retention time go."""

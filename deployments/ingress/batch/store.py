@@ -4,7 +4,9 @@ the loss of the ingress replica running a batch, and a reboot.
 Layout: ``files/<id>.json`` (the file object) and ``files/<id>.data`` (its bytes); ``batches/<id>.json`` (the batch
 object; ``.state`` locks it for a change), ``batches/<id>.journal`` (one line for each finished request line,
 appended as it finishes: a batch resumes after its journal; removed once its lines are in the output files) and
-``batches/<id>.lock`` (held by the replica running the batch, released by the OS when that process ends). An object
+``batches/<id>.lock`` (held by the replica running the batch, released by the OS when that process ends); a batch
+relayed to a provider's Batch API adds ``batches/<id>.relay`` (its rounds and provider batches) and
+``batches/<id>.relay-<part>`` (each part's inputs), removed with its journal. An object
 is written whole to a temporary file and renamed over the old one, so no reader sees half of it. The directory is
 one machine's: ingress replicas on other nodes would each see their own.
 """
@@ -141,6 +143,28 @@ class BatchStore:
     def delete_batch(self, batch_id: str) -> None:
         for suffix in (".json", ".journal", ".lock", ".state"):
             (self._batches / f"{_safe(batch_id)}{suffix}").unlink(missing_ok=True)
+        self.drop_relay(batch_id)
+
+    # ---- a batch relayed to a provider's Batch API (relay.py) ---------------------------------------------------
+
+    def relay_state(self, batch_id: str) -> dict[str, Any] | None:
+        return _read_json(self._batches / f"{_safe(batch_id)}.relay")
+
+    def save_relay_state(self, batch_id: str, state: dict[str, Any]) -> None:
+        _write_json(self._batches / f"{_safe(batch_id)}.relay", state)
+
+    def save_relay_inputs(self, batch_id: str, part: str, inputs: list[Any]) -> None:
+        _write_json(self._batches / f"{_safe(batch_id)}.relay-{_safe(part)}", inputs)
+
+    def relay_inputs(self, batch_id: str, part: str) -> list[Any]:
+        inputs = _read_json(self._batches / f"{_safe(batch_id)}.relay-{_safe(part)}")
+        if inputs is None:
+            raise FileNotFoundError(f"the inputs of relayed part {part} are gone")
+        return inputs
+
+    def drop_relay(self, batch_id: str) -> None:
+        for path in self._batches.glob(f"{_safe(batch_id)}.relay*"):
+            path.unlink(missing_ok=True)
 
     def journal(self, batch_id: str, *, repair: bool = False) -> dict[int, Entry]:
         """The finished lines of a batch, by index. A last line cut short by a crash is not one; with ``repair`` (the
@@ -208,7 +232,7 @@ def _safe(object_id: str) -> str:
     return object_id if object_id.replace("-", "").replace("_", "").isalnum() else "-invalid-"
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
+def _write_json(path: Path, value: Any) -> None:
     temporary = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
     with temporary.open("wb") as out:
         out.write(orjson.dumps(value))
@@ -217,7 +241,7 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> Any:
     try:
         return orjson.loads(path.read_bytes())
     except FileNotFoundError:

@@ -32,6 +32,7 @@ from embeddings_wire import decode_embeddings
 
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared, UpstreamError
+from deployments.model.backends.provider_batches import ProviderBatches
 from deployments.secrets import read_secret
 
 DEFAULT_RETRY_AFTER_S = 1.0  # a 429 that does not say how long to wait
@@ -135,6 +136,10 @@ class OpenAIBackend(EmbeddingBackend):
             raise
         self._answered(response.headers, None)
         return self._vectors(response.content, len(items))
+
+    def provider_batches(self) -> ProviderBatches:
+        """The upstream's Batch API, through this backend's client (its URL, key and transport)."""
+        return ProviderBatches(self._client, self._model)
 
     def _answered(self, headers: Mapping[str, str], refused_for_s: float | None) -> None:
         if self.on_response is not None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from batching import DeadlineExceeded, Priority
 
+from deployments.errors import NotCached
 from deployments.model.backends import Prepared
 from deployments.model.cache.keys import CacheKeys
 from deployments.model.cache.metrics import CacheMetrics
@@ -32,6 +33,8 @@ from deployments.model.stage import EmbeddingStage, Outcome
 from deployments.wire import Deadline
 
 VECTOR_DTYPE = np.dtype("<f4")  # stored as little-endian float32: the bytes the model returned
+# A provider batch's thousands of vectors are read and written this many at a time: each store call has its timeout
+STORE_CALL_KEYS = 1024
 
 
 class EmbeddingCache:
@@ -68,6 +71,27 @@ class EmbeddingCache:
         self._metrics.looked_up(self._name, "joined", len(saved) - len(hits))
         self._metrics.saved(self._name, len(saved), sum(inputs[key].tokens for key in saved))
         return [found[key] for key in request_keys]
+
+    async def cached(self, prepared: Sequence[Prepared], *, dimensions: int | None) -> list[Outcome]:
+        """What the store holds of each input, in order, and ``NotCached`` where it holds nothing: nothing is
+        computed (a relayed batch's line, whose vectors come from the provider's Batch API, never in real time)."""
+        keys = self._keys_of(dimensions)
+        request_keys = [keys.key(item.content) for item in prepared]
+        distinct = list(dict.fromkeys(request_keys))
+        found: dict[str, np.ndarray] = {}
+        for start in range(0, len(distinct), STORE_CALL_KEYS):
+            found.update(await self._look_up(distinct[start:start + STORE_CALL_KEYS], patient=True))
+        return [found[key] if key in found else NotCached("the provider's batch has not returned this input")
+                for key in request_keys]
+
+    async def put(self, vectors: Mapping[Prepared, np.ndarray], *, dimensions: int | None) -> None:
+        """Store vectors computed elsewhere (a provider's batch) and return once they are written, or the write is
+        given up (it costs a later miss)."""
+        keys = self._keys_of(dimensions)
+        entries = [(keys.key(item.content), np.ascontiguousarray(vector, dtype=VECTOR_DTYPE).tobytes())
+                   for item, vector in vectors.items()]
+        for start in range(0, len(entries), STORE_CALL_KEYS):
+            await self._store.set_many(dict(entries[start:start + STORE_CALL_KEYS]))
 
     async def written(self) -> None:
         """Return once every vector computed so far has been written back (or its write given up: each is bounded
