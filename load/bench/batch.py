@@ -7,32 +7,46 @@ HIGH stream of single texts (Poisson, ``--high-rate-per-s``) runs alone for ``--
 batches until they finish, with a LOW one (``X-Priority: low``) beside it. Every output line is checked: one per
 document, in order, and a sample's vectors equal (cosine) to ``/v1/embeddings`` for the same text.
 
+With ``--relayed``, the model is an ``openai`` entry relaying batches to the simulated provider's Batch API
+(``provider_batches``, a disk cache; the provider in its own process, its batches done ``--provider-delay-s`` after
+they are made, ``--provider-error-rate`` of their lines failing): the same flow, then a second night with
+``--changed-share`` of the documents changed, no streams beside it. The provider's counters say what each night sent
+in real time and in batches.
+
 Targets: HIGH P99 while the batches run ≤ 1.5× calm; every LOW request answered; no line lost, failed or repeated.
+Relayed: no real-time input for batch work; batch inputs billed = the distinct uncached documents, each night.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import aiohttp
 import numpy as np
 import openai
 import orjson
+import yaml
 
 from embeddings_wire import decode_embeddings
 from load.loadgen import send_open_loop
-from load.peers.launch import DEFAULT_PEERS_DIR, running
+from load.peers.launch import DEFAULT_PEERS_DIR, Server, running
+from load.upstream import UpstreamConfig
 from load.workload import poisson_arrivals, pseudo_sentences
 
 from .backlog import Answer, post, summary
 from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
-from .shipped_service import MODEL, SERVICE, packaged_model_path
+from .serving import SERVE_CONFIG, SIM_MODEL, sim_model_entry
+from .shipped_service import MODEL, SERVICE, packaged_model_path, serve_run
+from .upstream_process import upstream_process
 
 TARGET_HIGH_P99_RATIO = 1.5
 SAMPLE = 500  # output lines compared with /v1/embeddings
@@ -47,13 +61,20 @@ class Settings:
     high_rate_per_s: float = 5.0
     low_rate_per_s: float = 2.0
     calm_s: float = 30.0
+    relayed: bool = False
+    changed_share: float = 0.07  # relayed: the documents changed for the second night
+    provider_delay_s: float = 10.0  # relayed: the provider's batch is done this long after it was made
+    provider_error_rate: float = 0.001  # relayed: its lines that fail (sent again by the service)
+    poll_s: float = 2.0  # relayed: the entry's provider_batches.poll_s
 
     def __post_init__(self) -> None:
         if min(self.documents, self.lines_per_batch) < 1:
             raise ValueError("batch: --documents and --lines-per-batch must be >= 1")
+        if not 0 <= self.changed_share <= 1:
+            raise ValueError("batch: --changed-share must be within [0, 1]")
 
 
-QUICK = Settings(documents=2_000, lines_per_batch=1_000, calm_s=3.0)
+QUICK = Settings(documents=2_000, lines_per_batch=1_000, calm_s=3.0, provider_delay_s=2.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,53 +83,120 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
-    with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as started:
-        return measure(started.url, settings, getattr(args, "results_dir", None))
+    results_dir = getattr(args, "results_dir", None)
+    if not settings.relayed:
+        with running(SERVICE, DEFAULT_PEERS_DIR, packaged_model_path()) as started:
+            return measure(started.url, settings, results_dir)
+    provider = dataclasses.replace(UpstreamConfig(), batch_delay_s=settings.provider_delay_s,
+                                   batch_error_rate=settings.provider_error_rate)
+    with upstream_process(provider) as root_url, tempfile.TemporaryDirectory() as state:
+        service = relayed_service(root_url, Path(state), settings.poll_s)
+        with running(service, DEFAULT_PEERS_DIR, packaged_model_path()) as started:
+            return measure(started.url, settings, results_dir, provider_url=root_url)
 
 
-def measure(url: str, settings: Settings, results_dir: Any = None, api_key: str = "unused") -> dict[str, Any]:
-    """The scenario against the service at ``url`` (``api_key`` sent where it asks for one)."""
+def relayed_service(root_url: str, state: Path, poll_s: float) -> Server:
+    """The shipped ``serve_config.yaml`` serving one ``openai`` entry on the simulated provider at ``root_url``,
+    relaying batches to its Batch API, its cache and batch files under ``state``."""
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    entry = {**sim_model_entry(f"{root_url}/v1"), "cache": {"store": "disk", "directory": str(state / "vectors")},
+             "provider_batches": {"poll_s": poll_s}}
+    config["applications"][0]["args"] = {"models": [entry], "batch": {"directory": str(state / "batch")}}
+    return dataclasses.replace(SERVICE, name="service-relayed", launch=serve_run(config, "relayed"), model=SIM_MODEL)
+
+
+def measure(url: str, settings: Settings, results_dir: Any = None, api_key: str = "unused",
+            provider_url: str | None = None) -> dict[str, Any]:
+    """The scenario against the service at ``url`` (``api_key`` sent where it asks for one); relayed to the
+    simulated provider at ``provider_url``, with its second night."""
     documents = pseudo_sentences(settings.documents, settings.mean_chars, seed=7)
     stream_texts = pseudo_sentences(int(max(settings.high_rate_per_s, settings.low_rate_per_s) * 7200) + 100,
                                     settings.mean_chars, seed=8)
-    data = asyncio.run(_runs(url, documents, stream_texts, settings, api_key))
+    data = asyncio.run(_runs(url, documents, stream_texts, settings, api_key, provider_url))
     data["settings"] = asdict(settings)
-    return write_report("batch", "The Batch API beside interactive traffic", render(data), data, results_dir)
+    title = "The Batch API beside interactive traffic" + (", relayed to the provider" if provider_url else "")
+    return write_report("batch_relayed" if provider_url else "batch", title, render(data), data, results_dir)
 
 
-async def _runs(url: str, documents: list[str], stream_texts: list[str], settings: Settings,
-                api_key: str) -> dict[str, Any]:
+async def _runs(url: str, documents: list[str], stream_texts: list[str], settings: Settings, api_key: str,
+                provider_url: str | None) -> dict[str, Any]:
+    model = SIM_MODEL if provider_url else MODEL
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
+    provider = aiohttp.ClientSession(provider_url) if provider_url else None
     async with aiohttp.ClientSession(url, headers={"Authorization": f"Bearer {api_key}"}) as session:
-        calm = await _stream(session, stream_texts, "high", settings.high_rate_per_s, settings.calm_s, None)
+        calm = await _stream(session, model, stream_texts, "high", settings.high_rate_per_s, settings.calm_s, None)
+        if provider is not None:
+            await _provider_stats(provider, reset=True)
         started = time.perf_counter()
-        batch_ids, uploaded = [], []
-        for first in range(0, len(documents), settings.lines_per_batch):
-            lines = b"".join(orjson.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
-                                           "body": {"model": MODEL, "input": documents[i]}}) + b"\n"
-                             for i in range(first, min(first + settings.lines_per_batch, len(documents))))
-            file = await client.files.create(file=(f"part-{first}.jsonl", io.BytesIO(lines)), purpose="batch")
-            uploaded.append(file.id)
-            batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
-                                                completion_window="24h")
-            batch_ids.append(batch.id)
+        batch_ids, uploaded = await _submit(client, model, documents, settings.lines_per_batch)
         submitted_s = time.perf_counter() - started
         done = asyncio.Event()
         streams = asyncio.gather(
-            _stream(session, stream_texts, "high", settings.high_rate_per_s, 7200.0, done),
-            _stream(session, stream_texts[::-1], "low", settings.low_rate_per_s, 7200.0, done))
+            _stream(session, model, stream_texts, "high", settings.high_rate_per_s, 7200.0, done),
+            _stream(session, model, stream_texts[::-1], "low", settings.low_rate_per_s, 7200.0, done))
         batches = await _wait(client, batch_ids)
         done.set()
         wall_s = time.perf_counter() - started
         high, low = await streams
-    check = await _check(client, documents, batches)
+    data = {"calm_high": calm, "high": high, "low": low, "wall_s": wall_s, "submitted_s": submitted_s,
+            "batches": [{"id": b.id, "status": b.status, "request_counts": b.request_counts.model_dump()}
+                        for b in batches],
+            "high_p99_ratio": high["p99_ms"] / calm["p99_ms"] if calm["p99_ms"] and high["p99_ms"] else None}
+    if provider is not None:
+        data["night_1"] = {**await _provider_stats(provider, reset=True), "distinct_documents": len(set(documents)),
+                           "stream_texts_answered": high["statuses"].get("200", 0) + low["statuses"].get("200", 0)}
+        changed = _changed(documents, settings.changed_share)
+        started = time.perf_counter()
+        again, again_files = await _submit(client, model, changed, settings.lines_per_batch)
+        second = await _wait(client, again)
+        data["night_2"] = {**await _provider_stats(provider, reset=False), "wall_s": time.perf_counter() - started,
+                           "changed_documents": len(set(changed) - set(documents)),
+                           "statuses": [b.status for b in second]}
+        await _delete(client, again_files, second)
+        await provider.close()
+    data["check"] = await _check(client, model, documents, batches)
+    await _delete(client, uploaded, batches)
+    return data
+
+
+async def _submit(client: openai.AsyncOpenAI, model: str, documents: list[str],
+                  lines_per_batch: int) -> tuple[list[str], list[str]]:
+    """The documents' input files uploaded and submitted as batches: the batches' ids and the files'."""
+    batch_ids, uploaded = [], []
+    for first in range(0, len(documents), lines_per_batch):
+        lines = b"".join(orjson.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
+                                       "body": {"model": model, "input": documents[i]}}) + b"\n"
+                         for i in range(first, min(first + lines_per_batch, len(documents))))
+        file = await client.files.create(file=(f"part-{first}.jsonl", io.BytesIO(lines)), purpose="batch")
+        uploaded.append(file.id)
+        batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        batch_ids.append(batch.id)
+    return batch_ids, uploaded
+
+
+async def _delete(client: openai.AsyncOpenAI, uploaded: list[str], batches: list[Any]) -> None:
     for file_id in uploaded + [b.output_file_id for b in batches] + [b.error_file_id for b in batches]:
         if file_id:
             await client.files.delete(file_id)
-    return {"calm_high": calm, "high": high, "low": low, "wall_s": wall_s, "submitted_s": submitted_s,
-            "batches": [{"id": b.id, "status": b.status, "request_counts": b.request_counts.model_dump()}
-                        for b in batches], "check": check,
-            "high_p99_ratio": high["p99_ms"] / calm["p99_ms"] if calm["p99_ms"] and high["p99_ms"] else None}
+
+
+def _changed(documents: list[str], share: float) -> list[str]:
+    """The next night's corpus: every ``1 / share``-th document edited."""
+    step = max(1, round(1 / share)) if share > 0 else len(documents) + 1
+    return [f"{text} (edited)" if i % step == 0 else text for i, text in enumerate(documents)]
+
+
+async def _provider_stats(provider: aiohttp.ClientSession, reset: bool) -> dict[str, Any]:
+    """What the simulated provider took since its last reset: real-time inputs and calls, and its Batch API's."""
+    async with provider.get("/stats") as response:
+        stats = await response.json()
+    if reset:
+        async with provider.post("/stats/reset") as response:
+            response.raise_for_status()
+    return {"realtime_calls": stats["calls"], "realtime_inputs_billed": stats["items_billed"],
+            "batch_inputs_billed": stats["batch"]["items_billed"], "provider_batches": stats["batch"]["batches"],
+            "batch_lines_failed": stats["batch"]["lines_failed"]}
 
 
 async def _wait(client: openai.AsyncOpenAI, batch_ids: Sequence[str]) -> list[Any]:
@@ -119,18 +207,18 @@ async def _wait(client: openai.AsyncOpenAI, batch_ids: Sequence[str]) -> list[An
         await asyncio.sleep(POLL_S)
 
 
-async def _stream(session: aiohttp.ClientSession, texts: Sequence[str], priority: str, rate_per_s: float,
-                  duration_s: float, done: asyncio.Event | None) -> dict[str, Any]:
+async def _stream(session: aiohttp.ClientSession, model: str, texts: Sequence[str], priority: str,
+                  rate_per_s: float, duration_s: float, done: asyncio.Event | None) -> dict[str, Any]:
     """Single texts at Poisson arrivals (backlog's requests), each answer's status and latency at this client."""
     answers: list[Answer] = []
     offsets = poisson_arrivals(rate_per_s, 10**6, duration_s, seed=3 if priority == "high" else 4)
-    await send_open_loop(lambda index, _: post(session, MODEL, priority, [texts[index % len(texts)]], answers,
+    await send_open_loop(lambda index, _: post(session, model, priority, [texts[index % len(texts)]], answers,
                                                 priority),
                          offsets, duration_s + 120.0, until=done.is_set if done is not None else None)
     return summary(answers)
 
 
-async def _check(client: openai.AsyncOpenAI, documents: list[str], batches: list[Any]) -> dict[str, Any]:
+async def _check(client: openai.AsyncOpenAI, model: str, documents: list[str], batches: list[Any]) -> dict[str, Any]:
     """Every document's line once and in order in the outputs; a sample's vectors against /v1/embeddings."""
     outputs: list[dict[str, Any]] = []
     failed = 0
@@ -142,7 +230,7 @@ async def _check(client: openai.AsyncOpenAI, documents: list[str], batches: list
             failed += len((await client.files.content(batch.error_file_id)).content.splitlines())
     in_order = [line["custom_id"] for line in outputs] == [f"doc-{i}" for i in range(len(documents))]
     sample = list(range(0, len(outputs), max(1, len(outputs) // SAMPLE)))[:SAMPLE]
-    direct = await client.embeddings.create(model=MODEL, input=[documents[i] for i in sample])
+    direct = await client.embeddings.create(model=model, input=[documents[i] for i in sample])
     direct_vectors = np.array([entry.embedding for entry in direct.data], dtype=np.float32)
     batched = np.array([decode_embeddings(outputs[i]["response"]["body"], 1)[0] for i in sample], dtype=np.float32)
     cosines = (batched * direct_vectors).sum(axis=1) if len(sample) else np.array([])
@@ -166,9 +254,28 @@ def render(data: dict[str, Any]) -> str:
                             ("LOW beside the batches", data["low"]))])
     batches = ", ".join(f"{b['status']} ({b['request_counts']['completed']:,} of {b['request_counts']['total']:,})"
                         for b in data["batches"])
+    served = ("The service as shipped (`serve run serve_config.yaml`, `serve.env`), the local all-MiniLM-L6-v2 on this "
+              "machine's CPUs.")
+    relayed = ""
+    if "night_1" in data:
+        one, two = data["night_1"], data["night_2"]
+        served = ("`serve run` (`serve.env`) of the shipped config with one `openai` entry on the simulated provider "
+                  f"(its own process), relaying batches to its Batch API (`provider_batches`, poll "
+                  f"{settings['poll_s']:g} s; the provider's batches done {settings['provider_delay_s']:g} s after "
+                  f"they are made, {settings['provider_error_rate']:.1%} of their lines failing), a disk cache.")
+        relayed = f"""
+| night | documents new to the cache | inputs billed in provider batches | provider batches | lines they failed \
+| real-time calls | real-time inputs billed |
+|---|---:|---:|---:|---:|---:|---:|
+| 1 (streams beside) | {one['distinct_documents']:,} | {one['batch_inputs_billed']:,} | {one['provider_batches']} \
+| {one['batch_lines_failed']} | {one['realtime_calls']:,} | {one['realtime_inputs_billed']:,} \
+(the streams answered {one['stream_texts_answered']:,}) |
+| 2 ({settings['changed_share']:.0%} changed, alone; {fmt(two['wall_s'])} s) | {two['changed_documents']:,} \
+| {two['batch_inputs_billed']:,} | {two['provider_batches']} | {two['batch_lines_failed']} | {two['realtime_calls']:,} \
+| {two['realtime_inputs_billed']:,} |
+"""
     return f"""\
-The service as shipped (`serve run serve_config.yaml`, `serve.env`), the local all-MiniLM-L6-v2 on this machine's
-CPUs. {settings['documents']:,} documents (~{settings['mean_chars']} characters) in input files of at most \
+{served} {settings['documents']:,} documents (~{settings['mean_chars']} characters) in input files of at most \
 {settings['lines_per_batch']:,} lines, uploaded and submitted with the `openai` client ({fmt(data['submitted_s'])} s), \
 all at once; HIGH single texts at {settings['high_rate_per_s']:g}/s ({settings['calm_s']:g} s alone first) and LOW \
 ones at {settings['low_rate_per_s']:g}/s beside them.
@@ -179,7 +286,7 @@ in order: {check['in_order_once_each']}; error lines {check['error_lines']}; min
 {check['sampled']} sampled documents {fmt(check['min_cosine'], 6)}.
 
 {streams}
-
+{relayed}
 HIGH P99 beside the batches / alone: {fmt(ratio, 2)}× (target ≤ {TARGET_HIGH_P99_RATIO:g}×): \
 {"met" if met else "**not met**"}.
 """

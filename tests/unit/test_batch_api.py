@@ -136,7 +136,7 @@ async def test_a_batch_resumes_after_its_journal_and_never_sends_a_finished_line
     config = BatchConfig(directory=str(tmp_path))
     first = BatchRunner(store, first_process, config)
     running = asyncio.ensure_future(first.run_forever())
-    while len(store.journal("batch_1")) < 4:
+    while len(await store.journal("batch_1")) < 4:
         await asyncio.sleep(0.01)
     running.cancel()
     await first.aclose()  # as if killed: the lock goes with its process, the journal stays
@@ -230,19 +230,20 @@ def test_files_and_finished_batches_past_their_retention_are_removed(tmp_path: P
     assert store.file_path("../../etc/passwd").parent == tmp_path / "files"  # an id is never a path out of it
 
 
-def test_a_journal_line_cut_short_by_a_crash_is_not_a_line_and_the_resuming_runner_cuts_it_off(tmp_path: Path) -> None:
+async def test_a_journal_line_cut_short_by_a_crash_is_not_a_line_and_the_resuming_runner_cuts_it_off(
+        tmp_path: Path) -> None:
     store = BatchStore(tmp_path)
     store.record("batch_1", 0, True, b'{"a":1}')
     store.record("batch_1", 2, False, b'{"b":2}')
     store.close_journal("batch_1")
     with (tmp_path / "batches" / "batch_1.journal").open("ab") as journal:
         journal.write(b'1 1 {"half')  # the process ended mid-write
-    done = store.journal("batch_1")
+    done = await store.journal("batch_1")
     assert {index: entry.ok for index, entry in done.items()} == {0: True, 2: False}
     assert list(store.journal_lines("batch_1", [done[2], done[0]])) == [b'{"b":2}\n', b'{"a":1}\n']
-    store.journal("batch_1", repair=True)
+    await store.journal("batch_1", repair=True)
     store.record("batch_1", 1, True, b'{"c":3}')  # what the resuming runner appends starts a line of its own
-    done = store.journal("batch_1")
+    done = await store.journal("batch_1")
     assert sorted(done) == [0, 1, 2] and list(store.journal_lines("batch_1", [done[1]])) == [b'{"c":3}\n']
 
 

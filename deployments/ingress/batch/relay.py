@@ -25,7 +25,7 @@ from deployments.config import ProviderBatchConfig
 from deployments.errors import ServiceError
 from deployments.ingress import schemas
 from deployments.ingress.batch import lines
-from deployments.ingress.batch.store import BatchStore
+from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore
 
 logger = logging.getLogger("ray.serve")
 
@@ -106,6 +106,8 @@ class BatchRelay:
         seen: set[str] = set()
         with self._store.file_path(batch["input_file_id"]).open("rb") as input_lines:
             for index, raw in enumerate(raw for raw in input_lines if raw.strip()):
+                if index % LINES_PER_TURN == 0:
+                    await asyncio.sleep(0)
                 try:
                     request = lines.parse(raw)
                     body = schemas.parse_request(request.body) if request.model in self._models else None

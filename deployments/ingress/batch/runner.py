@@ -27,7 +27,7 @@ from deployments.config import BatchConfig
 from deployments.errors import NotCached, RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed
 from deployments.ingress.batch import lines
 from deployments.ingress.batch.relay import BatchRelay
-from deployments.ingress.batch.store import BatchStore
+from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore
 
 logger = logging.getLogger("ray.serve")
 
@@ -138,7 +138,7 @@ class BatchRunner:
                 if final:
                     break
             if batch["status"] in ("finalizing", "cancelling", "expired"):
-                self._finalize(batch)
+                await self._finalize(batch)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the batch is tried again at the next poll, after its journal
@@ -185,7 +185,7 @@ class BatchRunner:
         nothing to relay."""
         if self._relay is None:
             return False
-        done = self._store.journal(batch["id"])
+        done = await self._store.journal(batch["id"])
         outcomes = {index: entry.ok for index, entry in done.items()}
         return await self._relay.round(batch, done.keys(),
                                        lambda: self._progress(batch["id"], outcomes) == "in_progress")
@@ -194,7 +194,7 @@ class BatchRunner:
         """Send the lines not finished; with ``final``, a relayed line whose inputs the cache lacks is an error line,
         else it is left for the relay's next round."""
         batch_id = batch["id"]
-        done = self._store.journal(batch_id, repair=True)
+        done = await self._store.journal(batch_id, repair=True)
         outcomes = {index: entry.ok for index, entry in done.items()}
         room = asyncio.Semaphore(LINES_IN_FLIGHT)
         in_flight: set[asyncio.Task] = set()
@@ -207,6 +207,8 @@ class BatchRunner:
                 if not raw.strip():
                     continue
                 index += 1
+                if index % LINES_PER_TURN == 0:
+                    await asyncio.sleep(0)
                 request, finished = self._read(raw, seen)
                 if index in done:
                     continue
@@ -293,17 +295,18 @@ class BatchRunner:
         batch = self._store.update_batch(batch_id, progressed)
         return "cancelled" if batch is None else batch["status"]
 
-    def _finalize(self, batch: dict[str, Any]) -> None:
+    async def _finalize(self, batch: dict[str, Any]) -> None:
         """The output and error files, in the input's order, from the journal; then the batch's final status."""
         batch_id = batch["id"]
-        done = [entry for _, entry in sorted(self._store.journal(batch_id).items())]
+        journal = await self._store.journal(batch_id)
+        done = [entry for _, entry in sorted(journal.items())]
         files = {}
         for ok, kind in ((True, "output"), (False, "error")):
             chosen = [entry for entry in done if entry.ok is ok]
             if chosen:
-                lines_of_kind = self._store.journal_lines(batch_id, chosen)
-                files[kind] = self._store.add_file_bytes(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
-                                                         "batch_output", lines_of_kind)["id"]
+                written = await self._store.add_file_lines(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
+                                                           "batch_output", self._store.journal_lines(batch_id, chosen))
+                files[kind] = written["id"]
         now = self._store.now()
         final = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),
                  "expired": ("expired", "expired_at")}

@@ -13,6 +13,7 @@ one machine's: ingress replicas on other nodes would each see their own.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import time
@@ -23,6 +24,9 @@ from typing import IO, Any, Callable, Iterable, Iterator, NamedTuple
 import orjson
 
 COPY_CHUNK_BYTES = 1 << 20
+# Lines read or written between turns of the ingress's event loop: a batch's 50,000 lines (hundreds of megabytes of
+# output) in one go hold the loop, and with it every interactive request, for a good part of a second.
+LINES_PER_TURN = 256
 SYNC_EVERY_S = 1.0  # the journal reaches the disk at least this often: a reboot redoes at most this much work
 
 
@@ -77,14 +81,18 @@ class BatchStore:
             raise
         return self._describe_file(file_id, filename, purpose, size)
 
-    def add_file_bytes(self, file_id: str, filename: str, purpose: str, lines: Iterator[bytes]) -> dict[str, Any]:
+    async def add_file_lines(self, file_id: str, filename: str, purpose: str, lines: Iterator[bytes]) -> dict[str, Any]:
         """A file the service writes (a batch's output or errors), from ``lines``; written again under the same id
-        if it was written before (a batch finalized again after a crash)."""
+        if it was written before (a batch finalized again after a crash). The event loop runs between each
+        ``LINES_PER_TURN`` lines (on a thread instead, each request the loop serves would wait for the GIL at every
+        step)."""
         size = 0
         with (self._files / f"{file_id}.data").open("wb") as out:
-            for line in lines:
+            for count, line in enumerate(lines, 1):
                 out.write(line)
                 size += len(line)
+                if count % LINES_PER_TURN == 0:
+                    await asyncio.sleep(0)
             out.flush()
             os.fsync(out.fileno())
         return self._describe_file(file_id, filename, purpose, size)
@@ -166,22 +174,25 @@ class BatchStore:
         for path in self._batches.glob(f"{_safe(batch_id)}.relay*"):
             path.unlink(missing_ok=True)
 
-    def journal(self, batch_id: str, *, repair: bool = False) -> dict[int, Entry]:
+    async def journal(self, batch_id: str, *, repair: bool = False) -> dict[int, Entry]:
         """The finished lines of a batch, by index. A last line cut short by a crash is not one; with ``repair`` (the
-        runner resuming the batch, before it appends) it is cut off the file, so the next line starts on its own."""
+        runner resuming the batch, before it appends) it is cut off the file, so the next line starts on its own.
+        The event loop runs between each ``LINES_PER_TURN`` lines."""
         path = self._batches / f"{_safe(batch_id)}.journal"
         done: dict[int, Entry] = {}
         if not path.exists():
             return done
         offset = 0
         with path.open("rb") as journal:
-            for line in journal:
+            for count, line in enumerate(journal, 1):
                 if not line.endswith(b"\n"):
                     break
                 index, ok, _ = line.split(b" ", 2)
                 start = offset + len(index) + len(ok) + 2
                 done[int(index)] = Entry(ok == b"1", start, offset + len(line) - 1 - start)
                 offset += len(line)
+                if count % LINES_PER_TURN == 0:
+                    await asyncio.sleep(0)
         if repair and path.stat().st_size > offset:
             os.truncate(path, offset)
         return done

@@ -11,6 +11,7 @@ one billed again.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any, Awaitable, Callable, NamedTuple, ParamSpec, Sequence, TypeVar
 
@@ -85,9 +86,9 @@ class ProviderBatches:
             return Polled(batch.status, False, [])
         vectors: list[np.ndarray | None] = [None] * count
         if batch.output_file_id:
-            content = await self._client.files.content(batch.output_file_id)
-            for raw in content.content.splitlines():
-                self._read_line(raw, vectors, per_line)
+            content = (await self._client.files.content(batch.output_file_id)).content
+            # a provider batch's output runs to hundreds of megabytes: read on a thread, the replica's loop serves on
+            await asyncio.to_thread(self._read_output, content, vectors, per_line)
         return Polled(batch.status, True, vectors)
 
     @_provider_errors
@@ -115,10 +116,14 @@ class ProviderBatches:
         return b"\n".join(lines) + b"\n"
 
     @staticmethod
+    def _read_output(content: bytes, vectors: list[np.ndarray | None], per_line: int) -> None:
+        """Each output line's vectors into their inputs' places; a line that is not a success leaves them None."""
+        for raw in content.splitlines():
+            if raw.strip():
+                ProviderBatches._read_line(raw, vectors, per_line)
+
+    @staticmethod
     def _read_line(raw: bytes, vectors: list[np.ndarray | None], per_line: int) -> None:
-        """One output line's vectors into their inputs' places; a line that is not a success leaves them None."""
-        if not raw.strip():
-            return
         try:
             line = orjson.loads(raw)
             start = int(line["custom_id"]) * per_line

@@ -88,10 +88,10 @@ class EmbeddingCache:
         """Store vectors computed elsewhere (a provider's batch) and return once they are written, or the write is
         given up (it costs a later miss)."""
         keys = self._keys_of(dimensions)
-        entries = [(keys.key(item.content), np.ascontiguousarray(vector, dtype=VECTOR_DTYPE).tobytes())
-                   for item, vector in vectors.items()]
-        for start in range(0, len(entries), STORE_CALL_KEYS):
-            await self._store.set_many(dict(entries[start:start + STORE_CALL_KEYS]))
+        items = list(vectors.items())
+        for start in range(0, len(items), STORE_CALL_KEYS):  # keyed a chunk at a time: the loop serves between
+            await self._store.set_many({keys.key(item.content): np.ascontiguousarray(vector, dtype=VECTOR_DTYPE)
+                                        .tobytes() for item, vector in items[start:start + STORE_CALL_KEYS]})
 
     async def written(self) -> None:
         """Return once every vector computed so far has been written back (or its write given up: each is bounded
