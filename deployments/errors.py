@@ -53,6 +53,10 @@ class AuthenticationFailed(ServiceError):
     pass
 
 
+class PermissionDenied(ServiceError):
+    """The API key is valid but may not do this (a model or a priority its tenant is not given)."""
+
+
 class ModelNotFound(ServiceError):
     pass
 

@@ -31,13 +31,14 @@ from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowe
                                 PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
                                 unwrap)
 from deployments.ingress import schemas
-from deployments.ingress.auth import ApiKeys
+from deployments.ingress.auth import ApiKeys, Tenant
+from deployments.ingress.usage import TenantUsage
 from deployments.ingress.batch.relay import BatchRelay, RelayedModel
 from deployments.ingress.batch.routes import BatchRoutes
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
 from deployments.ingress.forwarding import ModelForwarder
-from deployments.ingress.metrics import RayBatchMetrics, ResendCounter, ResentRequests
+from deployments.ingress.metrics import RayBatchMetrics, RayTenantUsage, ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
 from deployments.ingress.openai_errors import error_response, status_response
 from deployments.wire import Deadline, EmbedRequest
@@ -63,16 +64,17 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_resend: ResendCounter | None = None,
                unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
                batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None,
-               relayed: Mapping[str, ProviderBatchConfig] | None = None) -> "EmbeddingsApi":
+               relayed: Mapping[str, ProviderBatchConfig] | None = None,
+               usage: TenantUsage | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
     its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``; the lines of the models in ``relayed``
-    go to their provider's Batch API first, with those settings."""
+    go to their provider's Batch API first, with those settings. ``usage`` counts each tenant's requests."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
-    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable)
+    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage)
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
@@ -150,7 +152,7 @@ class EmbeddingsIngress:
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics(), relayed=relayed)
+                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage())
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -163,10 +165,12 @@ class _Routes:
 
     def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
                  on_resend: ResendCounter | None,
-                 unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> None:
+                 unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
+                 usage: TenantUsage | None = None) -> None:
         self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
                         for name, handle in models.items()}
         self._api_keys = api_keys
+        self._usage = usage if usage is not None else TenantUsage()
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
         self._unavailable = unavailable
@@ -174,22 +178,27 @@ class _Routes:
     async def create_embeddings(self, request: Request) -> Response:
         headers = request.headers
         deadline = _answer_by(schemas.parse_timeout(headers.get("x-request-timeout")))  # reading the body counts
-        self._api_keys.check(headers.get("authorization"))
-        priority = schemas.parse_priority(headers.get("x-priority"))
-        content = await self.embed_body(await self._read_body(request, deadline), priority, deadline)
+        tenant = self._api_keys.check(headers.get("authorization"))
+        priority = tenant.priority(schemas.parse_priority(headers.get("x-priority")))
+        content = await self.embed_body(await self._read_body(request, deadline), priority, deadline, tenant=tenant)
         return Response(content=content, media_type="application/json")
 
-    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None,
-                         cached_only: bool = False) -> bytes:
+    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None, cached_only: bool = False,
+                         tenant: Tenant | None = None) -> bytes:
         """A ``/v1/embeddings`` request body's response body, or the ``ServiceError`` it fails with: the route's
-        work, and a batch line's (``cached_only``: a relayed batch's, answered from the model's cache alone)."""
+        work for ``tenant`` (its models checked, its usage counted), and a batch line's (``cached_only``: a relayed
+        batch's, answered from the model's cache alone)."""
         body = schemas.parse_request(raw)
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
+        if tenant is not None:
+            tenant.check_model(body.model)
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
                              input_type=body.input_type, cached_only=cached_only)
         vectors, token_counts = await self._embed(forwarder, embed, deadline)
+        if tenant is not None:
+            self._usage.record(tenant.name, body.model, len(token_counts), sum(token_counts))
         return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
 
     async def list_models(self, request: Request) -> dict[str, Any]:

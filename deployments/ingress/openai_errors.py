@@ -11,8 +11,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from deployments.errors import (AuthenticationFailed, BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound,
-                                ModelOverloaded, PayloadTooLarge, RequestTimedOut, ResourceNotFound, RetryLater,
-                                ServiceError, ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
+                                ModelOverloaded, PayloadTooLarge, PermissionDenied, RequestTimedOut, ResourceNotFound,
+                                RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class HttpError:
 HTTP_ERRORS: dict[type[ServiceError], HttpError] = {
     InvalidRequest: HttpError(400, "invalid_request_error"),
     AuthenticationFailed: HttpError(401, "invalid_request_error", "invalid_api_key"),
+    PermissionDenied: HttpError(403, "invalid_request_error", "permission_denied"),
     ModelNotFound: HttpError(404, "invalid_request_error", "model_not_found"),
     ResourceNotFound: HttpError(404, "invalid_request_error", "not_found"),
     MethodNotAllowed: HttpError(405, "invalid_request_error", "method_not_allowed"),

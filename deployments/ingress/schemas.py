@@ -106,9 +106,10 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(message, param=param, index=cause.index if isinstance(cause, InvalidInputItem) else None)
 
 
-def parse_priority(header: str | None) -> Priority:
+def parse_priority(header: str | None) -> Priority | None:
+    """The priority ``X-Priority`` asks for; None where it is not sent."""
     if header is None:
-        return Priority.HIGH
+        return None
     try:
         return Priority.parse(header)
     except ValueError:

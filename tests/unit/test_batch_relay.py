@@ -93,6 +93,13 @@ def gateway(tmp_path: Path):
         with TestClient(api) as http:
             yield upstream, openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http,
                                           max_retries=0)
+            close(handle, http)
+
+
+def close(handle: LocalHandle, http: TestClient) -> None:
+    """End the model made in the app's loop (its disk cache's writer process with it)."""
+    if handle.model is not None:
+        http.portal.call(handle.model.aclose)
 
 
 def test_a_relayed_batch_is_embedded_by_the_providers_batch_api_once_per_distinct_uncached_input(gateway) -> None:
@@ -136,13 +143,14 @@ def test_a_runner_resuming_a_relayed_batch_polls_the_provider_batch_made_before_
     texts = {f"id{i}": f"text {i}" for i in range(10)}
     with run_upstream(UpstreamConfig(dim=DIM, base_latency_ms=1, jitter=0, batch_delay_s=1.0)) as upstream:
 
-        def replica() -> TestClient:  # an ingress replica with its own model handle, on the same directories
+        def replica() -> tuple[LocalHandle, TestClient]:  # an ingress replica with its own model, same directories
             handle = local_model(upstream.base_url, tmp_path / "vectors", settings)
-            return TestClient(create_api({MODEL: handle}, batch=BatchConfig(directory=str(tmp_path / "batch")),
-                                         relayed={MODEL: settings}))
+            return handle, TestClient(create_api({MODEL: handle}, relayed={MODEL: settings},
+                                                 batch=BatchConfig(directory=str(tmp_path / "batch"))))
 
         store = BatchStore(tmp_path / "batch")
-        with replica() as http:
+        handle, app = replica()
+        with app as http:
             client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http)
             uploaded = client.files.create(file=("in.jsonl", b"".join(line(c, t) for c, t in texts.items())),
                                            purpose="batch")
@@ -150,12 +158,15 @@ def test_a_runner_resuming_a_relayed_batch_polls_the_provider_batch_made_before_
                                              completion_window="24h").id
             while not ((store.relay_state(batch_id) or {}).get("parts") or [{}])[0].get("provider_batch_id"):
                 time.sleep(0.01)
+            close(handle, http)
         # that replica ended while the provider's batch ran; another takes the batch over
-        with replica() as http:
+        handle, app = replica()
+        with app as http:
             client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http)
             while (batch := client.batches.retrieve(batch_id)).status != "completed":
                 time.sleep(0.05)
             assert_each_vector_is_its_inputs(lines_of(client, batch.output_file_id), texts)
+            close(handle, http)
         stats = upstream.stats()
         assert (stats["calls"], stats["batch"]["batches"], stats["batch"]["items_billed"]) == (0, 1, 10)
 

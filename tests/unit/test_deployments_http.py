@@ -100,7 +100,7 @@ def test_base64_is_little_endian_float32_and_agrees_with_float(width: int) -> No
 
 
 def test_priority_and_timeout_headers() -> None:
-    assert parse_priority(None) is Priority.HIGH and parse_priority("LOW") is Priority.LOW
+    assert parse_priority(None) is None and parse_priority("LOW") is Priority.LOW  # None: the key's highest
     assert parse_timeout(None) is None and parse_timeout("2.5") == 2.5
     for bad in ("urgent", ""):
         with pytest.raises(InvalidRequest):

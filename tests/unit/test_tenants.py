@@ -1,0 +1,133 @@
+"""Keys that name a tenant (deployments/ingress/auth.py): a keys file of hashed keys, each tenant's models and highest
+priority enforced at the API with OpenAI's error shape, the file read again while the service runs, and each
+tenant's usage counted under its name (never its key)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from batching import Priority
+from deployments.ingress import auth
+from deployments.ingress.api import create_api
+from deployments.ingress.auth import ApiKeys, key_hash
+from deployments.ingress.usage import TenantUsage, Totals
+
+from .batch_fakes import MODEL, FakeModel
+
+OTHER_MODEL = "other-embed"
+SEARCH_KEY, INDEXER_KEY = "sk-search-0123", "sk-indexer-4567"
+
+
+def keys_file(path: Path, *, search_keys: tuple[str, ...] = (SEARCH_KEY,)) -> Path:
+    path.write_text(f"""
+tenants:
+  search:
+    keys: [{", ".join(key_hash(key) for key in search_keys)}]
+    models: [{MODEL}]
+  indexer:
+    keys: [{key_hash(INDEXER_KEY)}]
+    max_priority: low
+""")
+    return path
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordedUsage(TenantUsage):
+    def __init__(self) -> None:
+        super().__init__(clock=itertools.count(0.0, 10.0).__next__)  # every record flushes
+        self.totals: dict[tuple[str, str], list[int]] = {}
+
+    def flush(self, totals: Totals) -> None:
+        for key, counts in totals.items():
+            self.totals[key] = [a + b for a, b in zip(self.totals.get(key, [0, 0, 0]), counts)]
+
+
+@pytest.fixture
+def gateway(tmp_path: Path):
+    models = {MODEL: FakeModel(), OTHER_MODEL: FakeModel()}
+    usage = RecordedUsage()
+    api = create_api(models, api_keys=ApiKeys([], path=keys_file(tmp_path / "keys.yaml")), usage=usage)
+    with TestClient(api) as http:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key=key, http_client=http, max_retries=0)
+
+        yield client, models, usage
+
+
+def test_each_key_acts_as_its_tenant_and_its_usage_is_counted_under_the_tenants_name(gateway) -> None:
+    client, models, usage = gateway
+    client(SEARCH_KEY).embeddings.create(model=MODEL, input=["one", "two"])
+    client(INDEXER_KEY).embeddings.create(model=OTHER_MODEL, input="three")
+    assert models[MODEL].requests == [(["one", "two"], Priority.HIGH)]
+    assert models[OTHER_MODEL].requests == [(["three"], Priority.LOW)]  # a batch-only key's requests are LOW
+    assert usage.totals == {("search", MODEL): [1, 2, 2], ("indexer", OTHER_MODEL): [1, 1, 1]}
+
+
+def test_a_tenant_refused_a_model_or_a_priority_gets_a_403_in_openais_shape(gateway) -> None:
+    client, models, _ = gateway
+    with pytest.raises(openai.PermissionDeniedError) as other_model:
+        client(SEARCH_KEY).embeddings.create(model=OTHER_MODEL, input="x")
+    with pytest.raises(openai.PermissionDeniedError) as high:
+        client(INDEXER_KEY).embeddings.create(model=MODEL, input="x", extra_headers={"X-Priority": "high"})
+    for refused, param in ((other_model, "model"), (high, "X-Priority")):
+        error = refused.value.body
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "permission_denied", param)
+    assert models[MODEL].requests == models[OTHER_MODEL].requests == []
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        client("sk-nobody").embeddings.create(model=MODEL, input="x")
+    assert "sk-nobody" not in str(unknown.value.body)
+
+
+def test_the_keys_file_is_read_again_when_it_changes_and_a_broken_one_keeps_the_keys_before(tmp_path: Path,
+                                                                                           caplog) -> None:
+    clock = Clock()
+    path = keys_file(tmp_path / "keys.yaml", search_keys=(SEARCH_KEY, "sk-new-key"))
+    keys = ApiKeys([], path=path, clock=clock)
+    assert keys.check(f"Bearer {SEARCH_KEY}").name == "search"
+    keys_file(path)  # "sk-new-key" revoked
+    assert keys.check("Bearer sk-new-key").name == "search"  # not looked at again yet
+    clock.now += auth.RELOAD_S
+    with pytest.raises(auth.AuthenticationFailed):
+        keys.check("Bearer sk-new-key")
+    path.write_text("tenants: {search: {keys: [not-a-hash]}}")
+    clock.now += auth.RELOAD_S
+    assert keys.check(f"Bearer {SEARCH_KEY}").name == "search"
+    assert "not read again" in caplog.text and SEARCH_KEY not in caplog.text
+
+
+def test_a_plain_list_of_keys_is_every_key_the_default_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("key-one,\nkey-two\n")
+    keys = ApiKeys.from_env({"EMBEDDINGS_API_KEYS_FILE": str(path)})
+    assert [keys.check(f"Bearer {key}").name for key in ("key-one", "key-two")] == ["default", "default"]
+    assert ApiKeys.from_env({}).check(None).name == "default" and not ApiKeys.from_env({}).required
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("tenants: {a: {keys: [sha256:abc]}}", "tenants.a.keys.0"),
+    (f"tenants: {{a: {{keys: [{key_hash('k')}]}}, b: {{keys: [{key_hash('k')}]}}}}", "one key to tenants"),
+    (f"tenants: {{a: {{keys: [{key_hash('k')}], max_priority: urgent}}}}", "tenants.a.max_priority"),
+])
+def test_a_keys_file_that_is_wrong_is_refused_naming_where(tmp_path: Path, content: str, problem: str) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=problem.replace(".", r"\.")):
+        ApiKeys([], path=path)
+
+
+def test_the_hash_command_prints_a_keys_files_line(capsys: Any) -> None:
+    auth.main(["hash", "sk-abc"])
+    assert capsys.readouterr().out.strip() == key_hash("sk-abc")
