@@ -84,6 +84,22 @@ class RetryLater(ServiceError):
         return {**super()._fields(), "retry_after_s": self.retry_after_s}
 
 
+class TenantRateLimited(RetryLater):
+    """The API key's tenant is past one of its per-minute limits; ``headers``: its ``x-ratelimit-*`` account."""
+
+    def __init__(self, message: str, *, retry_after_s: float, headers: dict[str, str] | None = None,
+                 **fields: Any) -> None:
+        RetryLater.__init__(self, message, retry_after_s=retry_after_s, **fields)
+        self.headers = headers or {}
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "headers": self.headers}
+
+
+class TenantOverBudget(TenantRateLimited):
+    """The API key's tenant has spent its day's or month's token budget."""
+
+
 class ModelOverloaded(RetryLater, Overloaded):
     """The model's queue is full; also an ``Overloaded``, so handle callers may catch either."""
 

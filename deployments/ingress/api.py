@@ -32,6 +32,7 @@ from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowe
                                 unwrap)
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys, Tenant
+from deployments.ingress.tenant_gate import RayLimiter, TenantGate, TenantLimiter
 from deployments.ingress.usage import TenantUsage
 from deployments.ingress.batch.relay import BatchRelay, RelayedModel
 from deployments.ingress.batch.routes import BatchRoutes
@@ -65,16 +66,17 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
                batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None,
                relayed: Mapping[str, ProviderBatchConfig] | None = None,
-               usage: TenantUsage | None = None) -> "EmbeddingsApi":
+               usage: TenantUsage | None = None, gate: TenantGate | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
     its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``; the lines of the models in ``relayed``
-    go to their provider's Batch API first, with those settings. ``usage`` counts each tenant's requests."""
+    go to their provider's Batch API first, with those settings. ``usage`` counts each tenant's requests; ``gate`` holds
+    tenants to their limits (None: a budget in this process alone)."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
-    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage)
+    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage, gate)
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
@@ -152,7 +154,8 @@ class EmbeddingsIngress:
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage())
+                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(),
+                               gate=TenantGate(RayLimiter(serve.get_replica_context().app_name)))
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -166,11 +169,12 @@ class _Routes:
     def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
                  on_resend: ResendCounter | None,
                  unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
-                 usage: TenantUsage | None = None) -> None:
+                 usage: TenantUsage | None = None, gate: TenantGate | None = None) -> None:
         self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
                         for name, handle in models.items()}
         self._api_keys = api_keys
         self._usage = usage if usage is not None else TenantUsage()
+        self._gate = gate if gate is not None else TenantGate(TenantLimiter())
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
         self._unavailable = unavailable
@@ -181,7 +185,7 @@ class _Routes:
         tenant = self._api_keys.check(headers.get("authorization"))
         priority = tenant.priority(schemas.parse_priority(headers.get("x-priority")))
         content = await self.embed_body(await self._read_body(request, deadline), priority, deadline, tenant=tenant)
-        return Response(content=content, media_type="application/json")
+        return Response(content=content, media_type="application/json", headers=self._gate.headers(tenant))
 
     async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None, cached_only: bool = False,
                          tenant: Tenant | None = None) -> bytes:
@@ -192,11 +196,18 @@ class _Routes:
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
+        ticket = None
         if tenant is not None:
             tenant.check_model(body.model)
+            ticket = await self._gate.admit(tenant, body.model, body.input)
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
                              input_type=body.input_type, cached_only=cached_only)
-        vectors, token_counts = await self._embed(forwarder, embed, deadline)
+        try:
+            vectors, token_counts = await self._embed(forwarder, embed, deadline)
+        except BaseException:
+            self._gate.settle(ticket, 0)  # not answered: its tokens are not spent (its request is)
+            raise
+        self._gate.settle(ticket, sum(token_counts))
         if tenant is not None:
             self._usage.record(tenant.name, body.model, len(token_counts), sum(token_counts))
         return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)

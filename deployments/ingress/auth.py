@@ -8,6 +8,10 @@ keys (comma- or newline-separated: every key is tenant ``default``), or a keys f
       search:
         keys: [sha256:9f86d081...]          # each key's SHA-256 in hex: python -m deployments.ingress.auth hash KEY
         models: [text-embedding-3-small]    # the models it may use (left out: every model)
+        rpm: 600                            # requests and tokens per minute, over every model
+        tpm: 200000
+        per_model: {text-embedding-3-small: {rpm: 300, tpm: 100000}}
+        tokens_per_day: 5000000             # and per UTC month: tokens_per_month
       indexer:
         keys: [sha256:60303ae2...]
         max_priority: low                   # a batch-only key: its requests are LOW, and X-Priority: high is refused
@@ -36,6 +40,8 @@ from batching import Priority
 from deployments.errors import AuthenticationFailed, PermissionDenied
 from deployments.secrets import FILE_SUFFIX, read_secret
 
+Limit = Annotated[int, Field(ge=1)]
+
 logger = logging.getLogger("ray.serve")
 
 API_KEYS_ENV = "EMBEDDINGS_API_KEYS"
@@ -45,12 +51,41 @@ RELOAD_S = 2.0
 
 
 @dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits, held across every ingress replica (``tenant_budget.py``); None: not limited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    per_model: tuple[tuple[str, int | None, int | None], ...] = ()  # (model, rpm, tpm)
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+    def __bool__(self) -> bool:
+        return self != NO_LIMITS
+
+    def buckets(self, model: str) -> list[tuple[str, str, int]]:
+        """The limits a request to ``model`` counts against: (scope: "*" or the model, kind, capacity)."""
+        found = [("*", kind, capacity) for kind, capacity in (
+            ("rpm", self.rpm), ("tpm", self.tpm), ("day", self.tokens_per_day), ("month", self.tokens_per_month))
+            if capacity is not None]
+        for name, rpm, tpm in self.per_model:
+            if name == model:
+                found += [(name, kind, capacity) for kind, capacity in (("rpm", rpm), ("tpm", tpm))
+                          if capacity is not None]
+        return found
+
+
+NO_LIMITS = TenantLimits()
+
+
+@dataclass(frozen=True)
 class Tenant:
     """Who a key belongs to, and what it may do."""
 
     name: str
     models: frozenset[str] | None = None  # None: every model
     max_priority: Priority = Priority.HIGH
+    limits: TenantLimits = NO_LIMITS
 
     def priority(self, asked: Priority | None) -> Priority:
         """The priority of a request that asked for ``asked`` (None: it asked for none, and gets the highest it may
@@ -72,12 +107,29 @@ ANYONE = Tenant(DEFAULT_TENANT)  # every request, while no key is required
 KeyHash = Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
 
 
+class _ModelLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+
+
 class _TenantEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     keys: list[KeyHash] = Field(min_length=1)
     models: list[str] | None = None
     max_priority: Literal["high", "low"] = "high"
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    per_model: dict[str, _ModelLimits] = Field(default_factory=dict)
+    tokens_per_day: Limit | None = None
+    tokens_per_month: Limit | None = None
+
+    def limits(self) -> TenantLimits:
+        return TenantLimits(self.rpm, self.tpm, tuple((model, limits.rpm, limits.tpm)
+                                                      for model, limits in sorted(self.per_model.items())),
+                            self.tokens_per_day, self.tokens_per_month)
 
 
 class _KeysFile(BaseModel):
@@ -109,7 +161,7 @@ def parse_keys(text: str) -> dict[str, Tenant]:
     tenants: dict[str, Tenant] = {}
     for name, entry in parsed.tenants.items():
         tenant = Tenant(name, None if entry.models is None else frozenset(entry.models),
-                        Priority.parse(entry.max_priority))
+                        Priority.parse(entry.max_priority), entry.limits())
         for digest in entry.keys:
             if digest in tenants and tenants[digest].name != name:
                 raise ValueError(f"the keys file gives one key to tenants {tenants[digest].name!r} and {name!r}")

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 
 from deployments.errors import (AuthenticationFailed, BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound,
                                 ModelOverloaded, PayloadTooLarge, PermissionDenied, RequestTimedOut, ResourceNotFound,
-                                RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed, UpstreamRateLimited)
+                                RetryLater, ServiceError, ServiceUnavailable, TenantOverBudget, TenantRateLimited,
+                                UpstreamFailed, UpstreamRateLimited)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ HTTP_ERRORS: dict[type[ServiceError], HttpError] = {
     BodyReadTimeout: HttpError(408, "invalid_request_error", "request_timeout"),
     PayloadTooLarge: HttpError(413, "invalid_request_error", "request_too_large"),
     ModelOverloaded: HttpError(429, "rate_limit_error", "overloaded"),
+    TenantRateLimited: HttpError(429, "rate_limit_error", "rate_limit_exceeded"),
+    TenantOverBudget: HttpError(429, "insufficient_quota", "insufficient_quota"),
     UpstreamRateLimited: HttpError(429, "rate_limit_error", "upstream_rate_limited"),
     UpstreamFailed: HttpError(502, "upstream_error", "upstream_error"),
     ServiceUnavailable: HttpError(503, "server_error", "unavailable"),
@@ -52,7 +55,8 @@ def error_body(error: ServiceError) -> dict[str, Any]:
 
 def error_headers(error: ServiceError) -> dict[str, str]:
     if isinstance(error, RetryLater):
-        return {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}  # whole seconds, at least 1
+        extra = error.headers if isinstance(error, TenantRateLimited) else {}
+        return {"Retry-After": str(max(1, math.ceil(error.retry_after_s))), **extra}  # whole seconds, at least 1
     if isinstance(error, ServiceUnavailable):
         return {"Retry-After": "1"}
     if isinstance(error, AuthenticationFailed):
