@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
 
 from .admission import Admission, DrainRate
 from .config import HIGH, LOW, BatcherConfig, Priority
@@ -113,15 +113,18 @@ class AdaptiveBatcher(Generic[P, R]):
         self._custom_policy = wait_policy
         self._policy.wait_policy = wait_policy or DepthScaledWait(config.max_wait_ms, config.scale_factor)
 
-    async def submit(self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None) -> R:
+    async def submit(self, payload: P, *, priority: Priority = Priority.HIGH, timeout_s: float | None = None,
+                     key: Hashable = None, weight: float = 1.0) -> R:
+        """The payload's result. ``key``: whose it is (a tenant, a client): keys share each priority's batches by
+        ``weight`` (see ``queue.py``); None: nobody's."""
         self._admit(1, priority, timeout_s)
-        items, deadline_timer = self._enqueue((payload,), priority, timeout_s)
+        items, deadline_timer = self._enqueue((payload,), priority, timeout_s, key=key, weight=weight)
         self._pump()
         return await self._wait_for(items, deadline_timer, items[0].future)
 
     def submit_nowait(
         self, payload: P, on_end: Callable[[BaseException | None], None], *, priority: Priority = Priority.HIGH,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, key: Hashable = None, weight: float = 1.0,
     ) -> Callable[[], None]:
         """Queue one item for a caller that does not await it, e.g. one reading a stream the process function feeds.
 
@@ -129,7 +132,8 @@ class AdaptiveBatcher(Generic[P, R]):
         ``submit`` would raise. Returns ``withdraw()``, for a caller that stops waiting: the item is never sent if
         still queued, and a result on its way is dropped (``on_end`` is not called then)."""
         self._admit(1, priority, timeout_s)
-        items, deadline_timer = self._enqueue((payload,), priority, timeout_s, awaited=False)
+        items, deadline_timer = self._enqueue((payload,), priority, timeout_s, awaited=False, key=key,
+                                              weight=weight)
         items[0].on_settle = on_end if deadline_timer is None else functools.partial(_end_in_time, deadline_timer,
                                                                                     on_end)
         self._pump()
@@ -142,11 +146,13 @@ class AdaptiveBatcher(Generic[P, R]):
         priority: Priority = Priority.HIGH,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
+        key: Hashable = None,
+        weight: float = 1.0,
     ) -> list[R | BaseException]:
         if not payloads:
             return []
         self._admit(len(payloads), priority, timeout_s)
-        items, deadline_timer = self._enqueue(payloads, priority, timeout_s)
+        items, deadline_timer = self._enqueue(payloads, priority, timeout_s, key=key, weight=weight)
         self._pump()
         await self._wait_for(items, deadline_timer, asyncio.wait([item.future for item in items]))
         outcomes = [item.future.exception() or item.future.result() for item in items]
@@ -238,7 +244,8 @@ class AdaptiveBatcher(Generic[P, R]):
             raise Overloaded(refusal.retry_after_s, refusal.reason)
 
     def _enqueue(
-        self, payloads: Sequence[P], priority: Priority, timeout_s: float | None, awaited: bool = True
+        self, payloads: Sequence[P], priority: Priority, timeout_s: float | None, awaited: bool = True,
+        key: Hashable = None, weight: float = 1.0,
     ) -> tuple[list[Item], asyncio.TimerHandle | None]:
         """Queue the items of one call; they share one deadline, so one timer expires them. Items nobody awaits get
         no future."""
@@ -252,8 +259,8 @@ class AdaptiveBatcher(Generic[P, R]):
         metrics = self._metrics
         for seq, payload in enumerate(payloads, metrics.items):  # arrival order: the items admitted before it
             item = Item(seq, payload, loop.create_future() if awaited else None, priority, now,
-                        cost_fn(payload) if cost_fn else 1.0, deadline)
-            lane.push(item, max_gap_s)
+                        cost_fn(payload) if cost_fn else 1.0, deadline, key)
+            lane.push(item, max_gap_s, weight)
             items.append(item)
         metrics.items_admitted(self.name, len(items))
         metrics.queue_depth(self.name, priority, lane.depth)

@@ -1,4 +1,12 @@
-"""Items waiting for a batch: one lane per priority, each in order of first arrival."""
+"""Items waiting for a batch: one lane per priority, each in order of first arrival.
+
+Items may name a key (a tenant, a client): once a lane has seen one, each batch holds one key's items, and the
+batches go to the keys by weighted fair queueing (the key that has had the least of the lane's cost for its weight
+goes next; a key that comes back from idle starts level with the others, not ahead of them). One key's flood then
+lengthens its own wait, not another key's, and another key's lone item does not ride in (and wait for) the flood's
+large batch. Items without a key are one more key among them. A lane that has never seen a key fills its batches in
+arrival order, at no cost for the feature.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import itertools
 import math
 from collections import deque
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from .config import HIGH, LOW, Priority
 
@@ -33,11 +41,11 @@ class Item:
     not await, such as a stream's reader) ``on_settle``."""
 
     __slots__ = ("seq", "payload", "future", "priority", "enqueued_at", "cost", "deadline", "state", "attempts",
-                 "on_settle")
+                 "on_settle", "key")
 
     def __init__(
         self, seq: int, payload: Any, future: asyncio.Future | None, priority: Priority, enqueued_at: float,
-        cost: float, deadline: float | None,
+        cost: float, deadline: float | None, key: Hashable = None,
     ) -> None:
         self.seq = seq  # arrival order, which a retried item keeps
         self.payload = payload
@@ -50,6 +58,7 @@ class Item:
         self.attempts = 0
         # Told the item's error (None: a result) the moment it ends.
         self.on_settle: Callable[[BaseException | None], None] | None = None
+        self.key = key  # whose it is, for fair shares between keys (None: nobody's in particular)
 
     @property
     def waiting(self) -> bool:
@@ -119,9 +128,11 @@ class Lane:
         self._items: deque[Item] = deque()
         self._version = 0  # changes whenever anything but a push changes the items or their positions
         self._head_batch: _HeadBatch | None = None
+        self._shares: _Shares | None = None  # made when the first item with a key arrives
 
-    def push(self, item: Item, max_gap_s: float) -> None:
-        """A new arrival: it is the youngest item. Gaps count up to ``max_gap_s`` toward the lane's pace."""
+    def push(self, item: Item, max_gap_s: float, weight: float = 1.0) -> None:
+        """A new arrival: it is the youngest item. Gaps count up to ``max_gap_s`` toward the lane's pace. ``weight``:
+        its key's share of the lane, relative to the other keys' (the latest given for a key holds)."""
         now = item.enqueued_at
         if self.depth:
             gap = min(now - self.last_arrival, max_gap_s)
@@ -129,17 +140,19 @@ class Lane:
         self.last_arrival = now
         self._add(item)
         self._items.append(item)
+        if item.key is not None and self._shares is None:
+            self._shares = _Shares(self._items)
+        if self._shares is not None:
+            self._shares.push(item, weight)
 
     def put_back(self, item: Item) -> None:
         """An item queued again (a retry) takes the place its first arrival gave it, so the head stays the oldest."""
         item.enqueue()
         self._add(item)
         self._version += 1
-        items = self._items
-        if not items or items[-1].seq < item.seq:
-            items.append(item)
-        else:
-            items.insert(bisect.bisect_left(items, item.seq, key=_arrival), item)
+        _insert_in_order(self._items, item)
+        if self._shares is not None:
+            self._shares.put_back(item)
 
     def discard(self, item: Item) -> None:
         """Account for a queued item that left without being dispatched (cancelled, expired)."""
@@ -158,16 +171,24 @@ class Lane:
              measure: Callable[[list[Any]], float] | None = None) -> list[Item]:
         """Pop up to ``max_size`` items, stopping before the one that would push the cost past ``max_cost``
         (an item that alone costs more travels alone). The cost is the sum of the items' costs, or ``measure`` of
-        the batch's payloads."""
+        the batch's payloads. In arrival order; once keys are seen, the items of the key served least."""
         batch: list[Item] = []
         payloads: list[Any] = []
         cost = taken_cost = 0.0
-        items = self._items
-        while items and len(batch) < max_size:
-            item = items[0]
-            if item.state is not QUEUED:  # removed while queued: dropped on reaching the front
-                items.popleft()
-                continue
+        shares = self._shares
+        items = self._items if shares is None else None
+        while len(batch) < max_size:
+            if shares is not None:  # a batch is one key's: the first item's key is the one served least
+                item = shares.next_item(batch[0].key if batch else _ANY_KEY)
+                if item is None:
+                    break
+            elif not items:
+                break
+            else:
+                item = items[0]
+                if item.state is not QUEUED:  # removed while queued: dropped on reaching the front
+                    items.popleft()
+                    continue
             if max_cost is not None:
                 if measure is None:
                     grown = cost + item.cost
@@ -177,7 +198,10 @@ class Lane:
                 if batch and grown > max_cost:
                     break
                 cost = grown
-            items.popleft()
+            if shares is None:
+                items.popleft()
+            else:  # it stays in the arrival order, marked, until it reaches the front
+                shares.taken(item)
             item.send()
             taken_cost += item.cost
             batch.append(item)
@@ -218,6 +242,8 @@ class Lane:
         """Pop every queued item."""
         items = [item for item in self._items if item.state is QUEUED]
         self._items.clear()
+        if self._shares is not None:
+            self._shares = _Shares(self._items)
         self.depth, self.cost = 0, 0.0
         self._version += 1
         return items
@@ -230,6 +256,67 @@ class Lane:
 
 def _arrival(item: Item) -> int:
     return item.seq
+
+
+def _insert_in_order(items: deque[Item], item: Item) -> None:
+    if not items or items[-1].seq < item.seq:
+        items.append(item)
+    else:
+        items.insert(bisect.bisect_left(items, item.seq, key=_arrival), item)
+
+
+_ANY_KEY = object()
+
+
+class _Shares:
+    """A lane's items by key, and each key's service so far: the cost it was sent, divided by its weight."""
+
+    def __init__(self, items: deque[Item]) -> None:
+        self._by_key: dict[Hashable, deque[Item]] = {}
+        self._weights: dict[Hashable, float] = {}
+        self._served: dict[Hashable, float] = {}
+        self._level = 0.0  # the service of the key sent last: where a key coming back from idle starts
+        for item in items:  # the lane's items from before it saw a key: nobody's
+            if item.state is QUEUED:
+                self.push(item, 1.0)
+
+    def push(self, item: Item, weight: float) -> None:
+        queue = self._by_key.get(item.key)
+        if queue is None:
+            queue = self._by_key[item.key] = deque()
+            self._served[item.key] = max(self._served.get(item.key, 0.0), self._level)
+        self._weights[item.key] = weight
+        queue.append(item)
+
+    def put_back(self, item: Item) -> None:
+        queue = self._by_key.get(item.key)
+        if queue is None:
+            queue = self._by_key[item.key] = deque()
+            self._served[item.key] = max(self._served.get(item.key, 0.0), self._level)
+        _insert_in_order(queue, item)
+
+    def next_item(self, key: Hashable = None) -> Item | None:
+        """The oldest queued item of ``key``, or with ``_ANY_KEY`` of the key served least for its weight."""
+        if key is not _ANY_KEY:
+            queue = self._by_key.get(key)
+            while queue and queue[0].state is not QUEUED:
+                queue.popleft()
+            return queue[0] if queue else None
+        chosen: Item | None = None
+        least = math.inf
+        for key, queue in list(self._by_key.items()):
+            while queue and queue[0].state is not QUEUED:
+                queue.popleft()
+            if not queue:
+                del self._by_key[key]
+                continue
+            if self._served[key] < least:
+                chosen, least = queue[0], self._served[key]
+        return chosen
+
+    def taken(self, item: Item) -> None:
+        self._by_key[item.key].popleft()
+        self._level = self._served[item.key] = self._served[item.key] + item.cost / self._weights.get(item.key, 1.0)
 
 
 class Lanes(tuple):

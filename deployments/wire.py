@@ -43,6 +43,14 @@ class Deadline:
         return None if deadline is None else deadline.remaining()
 
 
+class Share(NamedTuple):
+    """Whose a request is, for fair shares of the model between keys (``batching``'s keys): a tenant, and its
+    weight."""
+
+    key: str
+    weight: float = 1.0
+
+
 class EmbedRequest(NamedTuple):
     """One request's inputs and how to serve them; what the ingress forwards, many at a time, to ``embed_many``."""
 
@@ -53,3 +61,4 @@ class EmbedRequest(NamedTuple):
     prompt_name: str | None = None  # one of the model's prompts; or
     input_type: str | None = None  # "query" | "document" (INPUT_TYPES): the model's prompt for it, if any
     cached_only: bool = False  # answered from the model's cache alone: an input it lacks fails (NotCached)
+    share: Share | None = None  # whose it is, where tenants share the model (None: nobody's in particular)

@@ -31,7 +31,7 @@ from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowe
                                 PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
                                 unwrap)
 from deployments.ingress import schemas
-from deployments.ingress.auth import ApiKeys, Tenant
+from deployments.ingress.auth import DEFAULT_TENANT, ApiKeys, Tenant
 from deployments.ingress.tenant_gate import RayLimiter, TenantGate, TenantLimiter
 from deployments.ingress.usage import TenantUsage
 from deployments.ingress.batch.relay import BatchRelay, RelayedModel
@@ -42,7 +42,7 @@ from deployments.ingress.forwarding import ModelForwarder
 from deployments.ingress.metrics import RayBatchMetrics, RayTenantUsage, ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
 from deployments.ingress.openai_errors import error_response, status_response
-from deployments.wire import Deadline, EmbedRequest
+from deployments.wire import Deadline, EmbedRequest, Share
 
 logger = logging.getLogger("ray.serve")
 
@@ -200,8 +200,9 @@ class _Routes:
         if tenant is not None:
             tenant.check_model(body.model)
             ticket = await self._gate.admit(tenant, body.model, body.input)
+        share = None if tenant is None or tenant.name == DEFAULT_TENANT else Share(tenant.name, tenant.weight)
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
-                             input_type=body.input_type, cached_only=cached_only)
+                             input_type=body.input_type, cached_only=cached_only, share=share)
         try:
             vectors, token_counts = await self._embed(forwarder, embed, deadline)
         except BaseException:

@@ -15,6 +15,7 @@ keys (comma- or newline-separated: every key is tenant ``default``), or a keys f
       indexer:
         keys: [sha256:60303ae2...]
         max_priority: low                   # a batch-only key: its requests are LOW, and X-Priority: high is refused
+        weight: 1                           # its share of a model beside other tenants' requests of one priority
 
 A keys file holds hashes, not keys, so it is no secret. It is read again when it changes (looked at every
 ``RELOAD_S`` at most, by the request that comes then): a key revoked or a tenant changed takes effect within seconds,
@@ -86,6 +87,7 @@ class Tenant:
     models: frozenset[str] | None = None  # None: every model
     max_priority: Priority = Priority.HIGH
     limits: TenantLimits = NO_LIMITS
+    weight: float = 1.0  # its share of a model beside other tenants of the same priority, relative to theirs
 
     def priority(self, asked: Priority | None) -> Priority:
         """The priority of a request that asked for ``asked`` (None: it asked for none, and gets the highest it may
@@ -120,6 +122,7 @@ class _TenantEntry(BaseModel):
     keys: list[KeyHash] = Field(min_length=1)
     models: list[str] | None = None
     max_priority: Literal["high", "low"] = "high"
+    weight: float = Field(default=1.0, gt=0)
     rpm: Limit | None = None
     tpm: Limit | None = None
     per_model: dict[str, _ModelLimits] = Field(default_factory=dict)
@@ -161,7 +164,7 @@ def parse_keys(text: str) -> dict[str, Tenant]:
     tenants: dict[str, Tenant] = {}
     for name, entry in parsed.tenants.items():
         tenant = Tenant(name, None if entry.models is None else frozenset(entry.models),
-                        Priority.parse(entry.max_priority), entry.limits())
+                        Priority.parse(entry.max_priority), entry.limits(), entry.weight)
         for digest in entry.keys:
             if digest in tenants and tenants[digest].name != name:
                 raise ValueError(f"the keys file gives one key to tenants {tenants[digest].name!r} and {name!r}")

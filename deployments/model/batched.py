@@ -12,7 +12,7 @@ from batching import AdaptiveBatcher, BatcherClosed, BatcherConfig, BatcherMetri
 from deployments.model.backends import EmbeddingBackend, Prepared
 from deployments.model.quota import PacedInput, QuotaPacer
 from deployments.model.stage import Outcome
-from deployments.wire import Deadline
+from deployments.wire import Deadline, Share
 
 
 def _token_cost(payload: Prepared) -> float:
@@ -31,13 +31,14 @@ class BatchedBackend:
         self._closed = False
 
     async def embed(self, prepared: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
-                    deadline: Deadline | None) -> list[Outcome]:
+                    deadline: Deadline | None, share: Share | None = None) -> list[Outcome]:
         batcher = self._batcher(dimensions)
         items: Sequence[Prepared] = prepared
         if self._pacer is not None:  # its batch's claim needs the priority and deadlines
             items = [PacedInput(item.content, item.tokens, priority, deadline) for item in prepared]
+        key, weight = share if share is not None else (None, 1.0)
         return await batcher.submit_many(items, priority=priority, timeout_s=Deadline.seconds_left(deadline),
-                                         return_exceptions=True)
+                                         return_exceptions=True, key=key, weight=weight)
 
     def stats(self) -> dict[str, BatcherStats]:
         """Each batcher's counters, by batcher name."""

@@ -183,7 +183,7 @@ class EmbeddingModel:
                 outcomes = await self._cached(prepared, dimensions)
             else:
                 outcomes = await self._first_stage.embed(prepared, dimensions=dimensions, priority=level,
-                                                         deadline=deadline)
+                                                         deadline=deadline, share=request.share)
         except Overloaded as exc:
             raise ModelOverloaded(f"model {self._model.name!r} is overloaded; retry later",
                                   retry_after_s=exc.retry_after_s) from None

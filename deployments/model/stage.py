@@ -10,14 +10,14 @@ import numpy as np
 
 from batching import Priority
 from deployments.model.backends import Prepared
-from deployments.wire import Deadline
+from deployments.wire import Deadline, Share
 
 Outcome = np.ndarray | BaseException  # an input's vector, or what failed it
 
 
 class EmbeddingStage(Protocol):
     async def embed(self, prepared: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
-                    deadline: Deadline | None) -> list[Outcome]:
-        """One outcome per input, in order. Raises only what refuses the whole request (``Overloaded``,
+                    deadline: Deadline | None, share: Share | None = None) -> list[Outcome]:
+        """One outcome per input, in order; ``share``: whose they are, for fair shares of the batches. Raises only what refuses the whole request (``Overloaded``,
         ``BatcherClosed``, ``NeverFits``) or cancels it."""
         ...

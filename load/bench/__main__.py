@@ -27,6 +27,7 @@ SCENARIOS: dict[str, str] = {
     "cluster": "load.bench.cluster",
     "quota": "load.bench.quota",
     "batch": "load.bench.batch",
+    "tenants": "load.bench.tenants",
 }
 
 

@@ -93,6 +93,7 @@ class Server:
     stop_signal: signal.Signals = signal.SIGTERM
     key_packages: tuple[str, ...] = ()  # for the project's own virtualenv (a Venv names its own)
     model: str = "all-MiniLM-L6-v2"  # the model name the readiness probe asks for
+    probe_headers: tuple[tuple[str, str], ...] = ()  # what the readiness probe sends besides (an API key)
 
     def bin_dir(self, peers_dir: Path) -> Path:
         return self.venv.bin_dir(peers_dir) if self.venv else Path(sys.executable).parent
@@ -183,7 +184,7 @@ def _wait_ready(server: Server, process: subprocess.Popen, url: str, log_path: P
             if server.health:
                 urllib.request.urlopen(f"{url}{server.health}", timeout=5).close()
             request = urllib.request.Request(f"{url}{server.route}", data=probe,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json", **dict(server.probe_headers)})
             with urllib.request.urlopen(request, timeout=30) as response:
                 if len(json.load(response)["data"]) == 1:
                     return

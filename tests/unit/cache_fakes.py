@@ -13,7 +13,7 @@ from batching import DeadlineExceeded, Priority
 from deployments.model.backends import Prepared
 from deployments.model.cache import CacheMetrics, EmbeddingCache
 from deployments.model.cache.store import GuardedStore
-from deployments.wire import Deadline
+from deployments.wire import Deadline, Share
 
 T = TypeVar("T")
 DIM = 8
@@ -93,7 +93,7 @@ class FakeModel:
         self.failing: set[Hashable] = set()
 
     async def embed(self, items: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
-                    deadline: Deadline | None) -> list[np.ndarray | BaseException]:
+                    deadline: Deadline | None, share: Share | None = None) -> list[np.ndarray | BaseException]:
         self.calls.append([item.content for item in items])
         refusal, self.refuse_next = self.refuse_next or self.refuse, None
         if self.gate is not None:

@@ -76,6 +76,22 @@ def test_each_key_acts_as_its_tenant_and_its_usage_is_counted_under_the_tenants_
     assert usage.totals == {("search", MODEL): [1, 2, 2], ("indexer", OTHER_MODEL): [1, 1, 1]}
 
 
+def test_a_tenants_requests_carry_its_share_to_the_model_and_a_plain_keys_carry_none(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"tenants: {{heavy: {{keys: [{key_hash('sk-heavy')}], weight: 3}}}}")
+    seen: list[Any] = []
+
+    class Recording(FakeModel):
+        def remote(self, requests: list[Any]) -> Any:
+            seen.extend(request.share for request in requests)
+            return super().remote(requests)
+
+    for keys, key in ((ApiKeys([], path=path), "sk-heavy"), (ApiKeys(["sk-plain"]), "sk-plain")):
+        with TestClient(create_api({MODEL: Recording()}, api_keys=keys)) as http:
+            http.post("/v1/embeddings", json={"model": MODEL, "input": "x"}, headers={"Authorization": f"Bearer {key}"})
+    assert seen == [("heavy", 3.0), None]
+
+
 def test_a_tenant_refused_a_model_or_a_priority_gets_a_403_in_openais_shape(gateway) -> None:
     client, models, _ = gateway
     with pytest.raises(openai.PermissionDeniedError) as other_model:

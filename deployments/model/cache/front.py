@@ -30,7 +30,7 @@ from deployments.model.cache.metrics import CacheMetrics
 from deployments.model.cache.single_flight import Flight, FlightAbandoned, Flights
 from deployments.model.cache.store import GuardedStore
 from deployments.model.stage import EmbeddingStage, Outcome
-from deployments.wire import Deadline
+from deployments.wire import Deadline, Share
 
 VECTOR_DTYPE = np.dtype("<f4")  # stored as little-endian float32: the bytes the model returned
 # A provider batch's thousands of vectors are read and written this many at a time: each store call has its timeout
@@ -50,7 +50,7 @@ class EmbeddingCache:
         self._writes: set[asyncio.Task[None]] = set()
 
     async def embed(self, prepared: Sequence[Prepared], *, dimensions: int | None, priority: Priority,
-                    deadline: Deadline | None) -> list[Outcome]:
+                    deadline: Deadline | None, share: Share | None = None) -> list[Outcome]:
         keys = self._keys_of(dimensions)
         request_keys = [keys.key(item.content) for item in prepared]
         inputs = dict(zip(request_keys, prepared))  # one entry per distinct input
@@ -63,7 +63,7 @@ class EmbeddingCache:
             led, also_joined = self._flights.claim(pending, priority)
             joined.update(also_joined)
             if led:
-                found.update(await self._compute(led, inputs, dimensions, priority, deadline))
+                found.update(await self._compute(led, inputs, dimensions, priority, deadline, share))
             settled, pending = await self._wait_for(joined, deadline)
             found.update(settled)
             saved += [key for key, outcome in settled.items() if isinstance(outcome, np.ndarray)]
@@ -121,14 +121,14 @@ class EmbeddingCache:
         return vectors
 
     async def _compute(self, led: list[Flight[Outcome]], inputs: Mapping[str, Prepared], dimensions: int | None,
-                       priority: Priority, deadline: Deadline | None) -> dict[str, Outcome]:
+                       priority: Priority, deadline: Deadline | None, share: Share | None) -> dict[str, Outcome]:
         self._metrics.looked_up(self._name, "miss", len(led))
         if deadline is not None and deadline.remaining() <= 0:  # spent waiting for flights that were abandoned
             outcomes: Sequence[Outcome] = [_timed_out() for _ in led]
         else:
             try:
                 outcomes = await self._next.embed([inputs[flight.key] for flight in led], dimensions=dimensions,
-                                                  priority=priority, deadline=deadline)
+                                                  priority=priority, deadline=deadline, share=share)
             except BaseException:  # refused, or the request was cancelled: the joiners compute it themselves
                 for flight in led:
                     flight.abandon()
