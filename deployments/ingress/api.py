@@ -34,6 +34,7 @@ from deployments.ingress import schemas
 from deployments.ingress.auth import DEFAULT_TENANT, ApiKeys, Tenant
 from deployments.ingress.tenant_gate import RayLimiter, TenantGate, TenantLimiter
 from deployments.ingress.usage import TenantUsage
+from deployments.ingress.usage_routes import UsageRoutes
 from deployments.ingress.batch.relay import BatchRelay, RelayedModel
 from deployments.ingress.batch.routes import BatchRoutes
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
@@ -66,17 +67,19 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
                unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
                batch: BatchConfig | None = None, batch_metrics: BatchMetrics | None = None,
                relayed: Mapping[str, ProviderBatchConfig] | None = None,
-               usage: TenantUsage | None = None, gate: TenantGate | None = None) -> "EmbeddingsApi":
+               usage: TenantUsage | None = None, limiter: TenantLimiter | RayLimiter | None = None) -> "EmbeddingsApi":
     """The API for ``models``: each name to a handle to its ``EmbeddingModel`` (a ``DeploymentHandle``, or anything
     with its ``options(method_name=..., stream=True).remote(...)``). ``api_keys``: the keys a client must send (None:
     none is asked for). ``on_resend(model, cause, count)`` counts requests sent again after their replica's loss.
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
     its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``; the lines of the models in ``relayed``
-    go to their provider's Batch API first, with those settings. ``usage`` counts each tenant's requests; ``gate`` holds
-    tenants to their limits (None: a budget in this process alone)."""
+    go to their provider's Batch API first, with those settings. ``limiter`` holds tenants to their limits and keeps their
+    usage (None: in this process alone), which ``usage`` counts."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
-    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage, gate)
+    limiter = limiter if limiter is not None else TenantLimiter()
+    usage = usage if usage is not None else TenantUsage(limiter)
+    routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage, TenantGate(limiter))
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
@@ -98,6 +101,7 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
+    UsageRoutes(api_keys, usage, limiter).add_to(app)
     if batch is not None and runner is not None:
         BatchRoutes(store, batch, api_keys, runner.wake).add_to(app)
     return EmbeddingsApi(app, routes)
@@ -150,12 +154,13 @@ class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  batch: BatchConfig | None = None, relayed: Mapping[str, ProviderBatchConfig] | None = None) -> None:
         api_keys = ApiKeys.from_env()
+        limiter = RayLimiter(serve.get_replica_context().app_name)
         health = ModelHealth(serve.get_replica_context().app_name,
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(),
-                               gate=TenantGate(RayLimiter(serve.get_replica_context().app_name)))
+                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(limiter),
+                               limiter=limiter)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
 
@@ -167,14 +172,13 @@ class _Routes:
     """The route handlers, bound to the models and limits of one API."""
 
     def __init__(self, models: Mapping[str, Any], api_keys: ApiKeys, max_body_bytes: int,
-                 on_resend: ResendCounter | None,
-                 unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
-                 usage: TenantUsage | None = None, gate: TenantGate | None = None) -> None:
+                 on_resend: ResendCounter | None, unavailable: Callable[[], Awaitable[Mapping[str, str]]] | None,
+                 usage: TenantUsage, gate: TenantGate) -> None:
         self._models = {name: ModelForwarder(handle, None if on_resend is None else functools.partial(on_resend, name))
                         for name, handle in models.items()}
         self._api_keys = api_keys
-        self._usage = usage if usage is not None else TenantUsage()
-        self._gate = gate if gate is not None else TenantGate(TenantLimiter())
+        self._usage = usage
+        self._gate = gate
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
         self._unavailable = unavailable

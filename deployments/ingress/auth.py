@@ -16,6 +16,10 @@ keys (comma- or newline-separated: every key is tenant ``default``), or a keys f
         keys: [sha256:60303ae2...]
         max_priority: low                   # a batch-only key: its requests are LOW, and X-Priority: high is refused
         weight: 1                           # its share of a model beside other tenants' requests of one priority
+      finance:
+        keys: [sha256:fcde2b2e...]
+        admin: true                         # may read every tenant's usage (GET /v1/organization/usage/embeddings)
+        models: []                          # and embed nothing
 
 A keys file holds hashes, not keys, so it is no secret. It is read again when it changes (looked at every
 ``RELOAD_S`` at most, by the request that comes then): a key revoked or a tenant changed takes effect within seconds,
@@ -88,6 +92,7 @@ class Tenant:
     max_priority: Priority = Priority.HIGH
     limits: TenantLimits = NO_LIMITS
     weight: float = 1.0  # its share of a model beside other tenants of the same priority, relative to theirs
+    admin: bool = False  # may read every tenant's usage
 
     def priority(self, asked: Priority | None) -> Priority:
         """The priority of a request that asked for ``asked`` (None: it asked for none, and gets the highest it may
@@ -123,6 +128,7 @@ class _TenantEntry(BaseModel):
     models: list[str] | None = None
     max_priority: Literal["high", "low"] = "high"
     weight: float = Field(default=1.0, gt=0)
+    admin: bool = False
     rpm: Limit | None = None
     tpm: Limit | None = None
     per_model: dict[str, _ModelLimits] = Field(default_factory=dict)
@@ -164,7 +170,7 @@ def parse_keys(text: str) -> dict[str, Tenant]:
     tenants: dict[str, Tenant] = {}
     for name, entry in parsed.tenants.items():
         tenant = Tenant(name, None if entry.models is None else frozenset(entry.models),
-                        Priority.parse(entry.max_priority), entry.limits(), entry.weight)
+                        Priority.parse(entry.max_priority), entry.limits(), entry.weight, entry.admin)
         for digest in entry.keys:
             if digest in tenants and tenants[digest].name != name:
                 raise ValueError(f"the keys file gives one key to tenants {tenants[digest].name!r} and {name!r}")

@@ -8,7 +8,7 @@ from typing import Callable
 from ray.serve import metrics as serve_metrics
 
 from deployments.ingress.batch.runner import BatchMetrics
-from deployments.ingress.usage import TenantUsage, Totals
+from deployments.ingress.usage import TenantUsage, Totals, UsageStore
 
 ResendCounter = Callable[[str, str, int], None]  # (model, cause, requests)
 
@@ -47,10 +47,11 @@ class RayBatchMetrics(BatchMetrics):
 
 class RayTenantUsage(TenantUsage):
     """Each tenant's requests, inputs and tokens by model (``ray_embedding_tenant_requests_total``,
-    ``..._inputs_total``, ``..._tokens_total``; ``tenant`` is a name from the keys file, never a key)."""
+    ``..._inputs_total``, ``..._tokens_total``; ``tenant`` is a name from the keys file, never a key), and to the
+    shared ledger."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, store: UsageStore | None = None) -> None:
+        super().__init__(store)
         self._counters = [serve_metrics.Counter(f"embedding_tenant_{what}_total", f"{what.capitalize()} by tenant",
                                                 tag_keys=("tenant", "model"))
                           for what in ("requests", "inputs", "tokens")]
@@ -59,3 +60,4 @@ class RayTenantUsage(TenantUsage):
         for (tenant, model), counts in totals.items():
             for counter, count in zip(self._counters, counts):
                 counter.inc(count, tags={"tenant": tenant, "model": model})
+        super().flush(totals)

@@ -1,5 +1,6 @@
 """Tenants on a running application (two ingress replicas, an ``openai`` model on the simulated upstream): a tenant's
-RPM held as one budget across both replicas, and a key revoked in the keys file refused within seconds."""
+RPM held as one budget across both replicas, its usage one ledger across both, and a key revoked in the keys file
+refused within seconds."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ APP = "tenants"
 PREFIX = "/tenants"
 MODEL = "sim-tenants"
 RPM = 60
-KEEP, REVOKE = "sk-limited-tenant", "sk-revoked-soon"
+KEEP, REVOKE, ADMIN = "sk-limited-tenant", "sk-revoked-soon", "sk-admin"
 
 
 def write_keys(path: Path, keys: tuple[str, ...]) -> None:
     path.write_text(f"tenants:\n  limited:\n    keys: [{', '.join(key_hash(key) for key in keys)}]\n"
-                    f"    rpm: {RPM}\n")
+                    f"    rpm: {RPM}\n  finance:\n    keys: [{key_hash(ADMIN)}]\n    admin: true\n")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def post(http: httpx.Client, key: str) -> httpx.Response:
 
 def test_a_tenants_rpm_holds_across_two_ingress_replicas(tenants_app) -> None:
     service, _, _ = tenants_app
+    started_at = time.time()
     with service.http() as http:
         started = time.monotonic()
         answers = [post(http, KEEP) for _ in range(3 * RPM)]
@@ -68,6 +70,12 @@ def test_a_tenants_rpm_holds_across_two_ingress_replicas(tenants_app) -> None:
     refused = answers[statuses.index(429)]
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and int(refused.headers["retry-after"]) >= 1
     assert answers[0].headers["x-ratelimit-limit-requests"] == str(RPM)
+    time.sleep(1.5)  # each replica hands its counts on within a second
+    with service.http() as http:
+        usage = http.get(f"{PREFIX}/v1/organization/usage/embeddings", headers={"Authorization": f"Bearer {ADMIN}"},
+                         params={"start_time": int(started_at) // 86_400 * 86_400, "group_by": "project_id"}).json()
+    results = [result for bucket in usage["data"] for result in bucket["results"]]
+    assert [(r["project_id"], r["num_model_requests"]) for r in results] == [("limited", granted)]
 
 
 def test_a_key_revoked_in_the_keys_file_is_refused_within_seconds(tenants_app) -> None:

@@ -4,7 +4,7 @@ tenant's usage counted under its name (never its key)."""
 
 from __future__ import annotations
 
-import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class Clock:
 
 class RecordedUsage(TenantUsage):
     def __init__(self) -> None:
-        super().__init__(clock=itertools.count(0.0, 10.0).__next__)  # every record flushes
+        super().__init__()
         self.totals: dict[tuple[str, str], list[int]] = {}
 
     def flush(self, totals: Totals) -> None:
@@ -64,13 +64,14 @@ def gateway(tmp_path: Path):
         def client(key: str) -> openai.OpenAI:
             return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key=key, http_client=http, max_retries=0)
 
-        yield client, models, usage
+        yield client, models, usage, http
 
 
 def test_each_key_acts_as_its_tenant_and_its_usage_is_counted_under_the_tenants_name(gateway) -> None:
-    client, models, usage = gateway
+    client, models, usage, http = gateway
     client(SEARCH_KEY).embeddings.create(model=MODEL, input=["one", "two"])
     client(INDEXER_KEY).embeddings.create(model=OTHER_MODEL, input="three")
+    http.portal.call(usage.flush_now)
     assert models[MODEL].requests == [(["one", "two"], Priority.HIGH)]
     assert models[OTHER_MODEL].requests == [(["three"], Priority.LOW)]  # a batch-only key's requests are LOW
     assert usage.totals == {("search", MODEL): [1, 2, 2], ("indexer", OTHER_MODEL): [1, 1, 1]}
@@ -93,7 +94,7 @@ def test_a_tenants_requests_carry_its_share_to_the_model_and_a_plain_keys_carry_
 
 
 def test_a_tenant_refused_a_model_or_a_priority_gets_a_403_in_openais_shape(gateway) -> None:
-    client, models, _ = gateway
+    client, models, _, _ = gateway
     with pytest.raises(openai.PermissionDeniedError) as other_model:
         client(SEARCH_KEY).embeddings.create(model=OTHER_MODEL, input="x")
     with pytest.raises(openai.PermissionDeniedError) as high:
@@ -147,3 +148,30 @@ def test_a_keys_file_that_is_wrong_is_refused_naming_where(tmp_path: Path, conte
 def test_the_hash_command_prints_a_keys_files_line(capsys: Any) -> None:
     auth.main(["hash", "sk-abc"])
     assert capsys.readouterr().out.strip() == key_hash("sk-abc")
+
+
+def test_the_usage_api_shows_each_tenants_requests_and_tokens_to_admin_keys_only(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"tenants: {{a: {{keys: [{key_hash('sk-a')}]}}, b: {{keys: [{key_hash('sk-b')}]}}, "
+                    f"finance: {{keys: [{key_hash('sk-admin')}], admin: true, models: []}}}}")
+    with TestClient(create_api({MODEL: FakeModel(), OTHER_MODEL: FakeModel()},
+                               api_keys=ApiKeys([], path=path))) as http:
+        def get(key: str, **query: Any):
+            return http.get("/v1/organization/usage/embeddings", params=query,
+                            headers={"Authorization": f"Bearer {key}"})
+
+        for key, model, inputs in (("sk-a", MODEL, ["x", "y"]), ("sk-a", MODEL, ["z"]), ("sk-b", OTHER_MODEL, ["w"])):
+            http.post("/v1/embeddings", json={"model": model, "input": inputs},
+                      headers={"Authorization": f"Bearer {key}"})
+        day = int(time.time()) // 86_400 * 86_400
+        grouped = get("sk-admin", start_time=day, group_by=["project_id", "model"]).json()
+        total = get("sk-admin", start_time=day, bucket_width="1h").json()
+        refused = get("sk-a", start_time=day)
+        invalid = get("sk-admin", start_time="yesterday")
+    (bucket,) = grouped["data"]
+    assert bucket["start_time"] == day and grouped["has_more"] is False
+    assert sorted((r["project_id"], r["model"], r["num_model_requests"], r["input_tokens"])
+                  for r in bucket["results"]) == [("a", MODEL, 2, 3), ("b", OTHER_MODEL, 1, 1)]
+    assert [r["num_model_requests"] for b in total["data"] for r in b["results"]] == [3]
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "start_time"
