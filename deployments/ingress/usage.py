@@ -14,6 +14,8 @@ import logging
 import time
 from typing import Callable, Protocol
 
+from deployments.ingress.auth import DEFAULT_TENANT
+
 logger = logging.getLogger("ray.serve")
 
 FLUSH_S = 1.0
@@ -77,12 +79,13 @@ class TenantUsage:
             self.flush(pending)
 
     def flush(self, totals: Totals) -> None:
-        """Usage since the last flush, by tenant and model: to the shared ledger."""
-        if self._store is None:
+        """Usage since the last flush, by tenant and model: the keys file's tenants' to the shared ledger (the
+        ``default`` tenant, every caller where keys name no tenant, is in the metrics only)."""
+        rows = [(tenant, model, counts) for (tenant, model), counts in totals.items() if tenant != DEFAULT_TENANT]
+        if self._store is None or not rows:  # without a keys file of tenants there is no ledger to keep
             return
         hour = int(self._wall()) // HOUR_S * HOUR_S
-        task = asyncio.ensure_future(self._write([(hour, tenant, model, *counts)
-                                                  for (tenant, model), counts in totals.items()]))
+        task = asyncio.ensure_future(self._write([(hour, tenant, model, *counts) for tenant, model, counts in rows]))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
