@@ -1,4 +1,4 @@
-"""The README's configuration reference is the code's: every setting of the application's args (the pydantic models
+"""The configuration reference (docs/configuration.md) is the code's: every setting of the application's args (the pydantic models
 of ``deployments/config.py``) and of the batcher (``BatcherConfig``) has a row with its default, and no row names a
 setting the code does not have. Adding a setting without documenting it, or changing a default, fails here.
 
@@ -23,7 +23,7 @@ from batching import BatcherConfig
 from deployments.config import (AppConfig, BatchConfig, CacheConfig, IngressConfig, ModelConfig, ProviderBatchConfig,
                                 QuotaLimits)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\|\s*`(?P<field>\w+)`\s*\|(?P<default>[^|]*)\|(?P<meaning>.*)\|\s*$")
 LITERAL = re.compile(r"^`(?P<value>[^`]*)`")
 REQUIRED = "required"
@@ -48,10 +48,10 @@ SECTIONS: dict[str, Section] = {
 
 def documented(section: str) -> dict[str, tuple[str, str]]:
     """``field -> (default cell, meaning cell)`` from the table under the one heading naming ``(`<section>`)``."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = REFERENCE.read_text(encoding="utf-8").splitlines()
     marker = f"(`{section}`)"
     starts = [i for i, line in enumerate(lines) if line.startswith("#") and marker in line]
-    assert len(starts) == 1, f"README.md needs exactly one heading containing {marker}, found {len(starts)}"
+    assert len(starts) == 1, f"docs/configuration.md needs exactly one heading containing {marker}, found {len(starts)}"
     rows: dict[str, tuple[str, str]] = {}
     for line in lines[starts[0] + 1:]:
         if line.startswith("#"):
@@ -105,8 +105,8 @@ def same_default(written: Any, actual: Any) -> bool:
 def test_every_setting_has_a_row_and_every_row_is_a_setting(section: str) -> None:
     in_code = set(defaults_in_code(SECTIONS[section]))
     in_readme = set(documented(section))
-    assert not in_code - in_readme, f"{section}: add README rows for {sorted(in_code - in_readme)}"
-    assert not in_readme - in_code, f"{section}: the README documents settings the code lacks: " \
+    assert not in_code - in_readme, f"{section}: add reference rows for {sorted(in_code - in_readme)}"
+    assert not in_readme - in_code, f"{section}: the reference documents settings the code lacks: " \
                                     f"{sorted(in_readme - in_code)}"
 
 
@@ -123,12 +123,12 @@ def test_every_documented_default_is_the_codes(section: str) -> None:
             wrong.append(f"`{setting}` has no meaning")
         elif actual == REQUIRED or written == REQUIRED:
             if written != actual:
-                wrong.append(f"`{setting}`: README says {cell!r}, the code says {actual!r}")
+                wrong.append(f"`{setting}`: the reference says {cell!r}, the code says {actual!r}")
         elif is_section(actual):
             if written is not NESTED:
                 wrong.append(f"`{setting}` is a nested section: its default cell should point to its table")
         elif written is NESTED or not same_default(written, actual):
-            wrong.append(f"`{setting}`: README says {cell!r}, the code's default is {actual!r}")
+            wrong.append(f"`{setting}`: the reference says {cell!r}, the code's default is {actual!r}")
     assert not wrong, f"{section}: " + "; ".join(wrong)
 
 
@@ -151,4 +151,4 @@ def test_every_nested_section_of_the_args_has_its_own_table() -> None:
                 for meta in field.metadata:
                     reached |= nested_sections(getattr(meta, "cls", None))
     missing = {cls.__name__ for cls in reached} - set(SECTIONS)
-    assert not missing, f"give each nested section a README table and a SECTIONS entry: {sorted(missing)}"
+    assert not missing, f"give each nested section a reference table and a SECTIONS entry: {sorted(missing)}"
