@@ -28,22 +28,22 @@ from starlette.types import Receive, Scope, Send
 from batching import Priority
 from deployments.config import DEFAULT_MAX_BODY_BYTES, BatchConfig, ProviderBatchConfig
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
-                                PayloadTooLarge, RequestTimedOut, RouteNotFound, ServiceError, ServiceUnavailable,
-                                unwrap)
+                                PayloadTooLarge, PermissionDenied, RequestTimedOut, RouteNotFound, ServiceError,
+                                ServiceUnavailable, unwrap)
 from deployments.ingress import schemas
-from deployments.ingress.auth import DEFAULT_TENANT, ApiKeys, Tenant
+from deployments.ingress.auth import ApiKeys, Tenant
 from deployments.ingress.tenant_gate import RayLimiter, TenantGate, TenantLimiter
-from deployments.ingress.usage import TenantUsage
+from deployments.usage import RayTenantUsage, RayUsageLedger, TenantUsage, UsageLedger
 from deployments.ingress.usage_routes import UsageRoutes
 from deployments.ingress.batch.relay import BatchRelay, RelayedModel
 from deployments.ingress.batch.routes import BatchRoutes
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
 from deployments.ingress.batch.store import BatchStore
 from deployments.ingress.forwarding import ModelForwarder
-from deployments.ingress.metrics import RayBatchMetrics, RayTenantUsage, ResendCounter, ResentRequests
+from deployments.ingress.metrics import RayBatchMetrics, ResendCounter, ResentRequests
 from deployments.ingress.model_health import ModelHealth
 from deployments.ingress.openai_errors import error_response, status_response
-from deployments.wire import Deadline, EmbedRequest, Share
+from deployments.wire import Deadline, EmbedRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,18 +74,21 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     ``await unavailable()``: ``{model: reason}`` for the models that cannot serve now (None: every model can).
     ``batch``: the Batch API's store and limits (None: no Batch API); its batches run while the app runs (between
     its ASGI lifespan's startup and shutdown), reporting to ``batch_metrics``; the lines of the models in ``relayed``
-    go to their provider's Batch API first, with those settings. ``limiter`` holds tenants to their limits and keeps their
-    usage (None: in this process alone), which ``usage`` counts."""
+    go to their provider's Batch API first, with those settings. ``limiter`` holds tenants to their limits (None: in
+    this process alone); ``usage`` counts what they used (None: into a ledger in this process)."""
     api_keys = ApiKeys([]) if api_keys is None else api_keys
     limiter = limiter if limiter is not None else TenantLimiter()
-    usage = usage if usage is not None else TenantUsage(limiter)
+    usage = usage if usage is not None else TenantUsage(UsageLedger())
     routes = _Routes(models, api_keys, max_body_bytes, on_resend, unavailable, usage, TenantGate(limiter))
     runner = None
     if batch is not None:
         store = BatchStore(batch.path)
 
-        async def embed_line(body: bytes, cached_only: bool) -> bytes:
-            return await routes.embed_body(body, Priority.LOW, None, cached_only)
+        async def embed_line(body: bytes, cached_only: bool, owner: str) -> bytes:
+            tenant = api_keys.tenant(owner)
+            if tenant is None:
+                raise PermissionDenied(f"the batch's tenant {owner!r} is no longer in the API keys file")
+            return await routes.embed_body(body, tenant, Priority.LOW, None, cached_only)
 
         relay = BatchRelay(store, {name: RelayedModel(models[name], config)
                                    for name, config in (relayed or {}).items()}) if relayed else None
@@ -101,7 +104,7 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/healthz", routes.healthz, methods=["GET", "HEAD"])
-    UsageRoutes(api_keys, usage, limiter).add_to(app)
+    UsageRoutes(api_keys, usage).add_to(app)
     if batch is not None and runner is not None:
         BatchRoutes(store, batch, api_keys, runner.wake).add_to(app)
     return EmbeddingsApi(app, routes)
@@ -159,7 +162,7 @@ class EmbeddingsIngress:
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(limiter),
+                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(RayUsageLedger()),
                                limiter=limiter)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")
@@ -188,33 +191,29 @@ class _Routes:
         deadline = _answer_by(schemas.parse_timeout(headers.get("x-request-timeout")))  # reading the body counts
         tenant = self._api_keys.check(headers.get("authorization"))
         priority = tenant.priority(schemas.parse_priority(headers.get("x-priority")))
-        content = await self.embed_body(await self._read_body(request, deadline), priority, deadline, tenant=tenant)
+        content = await self.embed_body(await self._read_body(request, deadline), tenant, priority, deadline)
         return Response(content=content, media_type="application/json", headers=self._gate.headers(tenant))
 
-    async def embed_body(self, raw: bytes, priority: Priority, deadline: Deadline | None, cached_only: bool = False,
-                         tenant: Tenant | None = None) -> bytes:
-        """A ``/v1/embeddings`` request body's response body, or the ``ServiceError`` it fails with: the route's
-        work for ``tenant`` (its models checked, its usage counted), and a batch line's (``cached_only``: a relayed
-        batch's, answered from the model's cache alone)."""
+    async def embed_body(self, raw: bytes, tenant: Tenant, priority: Priority, deadline: Deadline | None,
+                         cached_only: bool = False) -> bytes:
+        """A ``/v1/embeddings`` request body's response body, or the ``ServiceError`` it fails with, for ``tenant``
+        (its models checked, its limits held, its usage counted): the route's work, and a batch line's
+        (``cached_only``: a relayed batch's, answered from the model's cache alone)."""
         body = schemas.parse_request(raw)
         forwarder = self._models.get(body.model)
         if forwarder is None:
             raise self._unknown_model(body.model, param="model")
-        ticket = None
-        if tenant is not None:
-            tenant.check_model(body.model)
-            ticket = await self._gate.admit(tenant, body.model, body.input)
-        share = None if tenant is None or tenant.name == DEFAULT_TENANT else Share(tenant.name, tenant.weight)
+        tenant.check_model(body.model)
+        ticket = await self._gate.admit(tenant, body.model, body.input)
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
-                             input_type=body.input_type, cached_only=cached_only, share=share)
+                             input_type=body.input_type, cached_only=cached_only, share=tenant.share)
         try:
             vectors, token_counts = await self._embed(forwarder, embed, deadline)
         except BaseException:
             self._gate.settle(ticket, 0)  # not answered: its tokens are not spent (its request is)
             raise
         self._gate.settle(ticket, sum(token_counts))
-        if tenant is not None:
-            self._usage.record(tenant.name, body.model, len(token_counts), sum(token_counts))
+        self._usage.record(tenant.name, body.model, len(token_counts), sum(token_counts))
         return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
 
     async def list_models(self, request: Request) -> dict[str, Any]:

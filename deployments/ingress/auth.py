@@ -28,6 +28,7 @@ without a restart. A file that no longer reads keeps the keys read before, and t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -44,13 +45,14 @@ from batching import Priority
 
 from deployments.errors import AuthenticationFailed, PermissionDenied
 from deployments.secrets import FILE_SUFFIX, read_secret
+from deployments.usage import DEFAULT_TENANT
+from deployments.wire import Share
 
 Limit = Annotated[int, Field(ge=1)]
 
 logger = logging.getLogger("ray.serve")
 
 API_KEYS_ENV = "EMBEDDINGS_API_KEYS"
-DEFAULT_TENANT = "default"  # the tenant of every key of a plain list
 HASH_PREFIX = "sha256:"
 RELOAD_S = 2.0
 
@@ -93,6 +95,11 @@ class Tenant:
     limits: TenantLimits = NO_LIMITS
     weight: float = 1.0  # its share of a model beside other tenants of the same priority, relative to theirs
     admin: bool = False  # may read every tenant's usage
+
+    @functools.cached_property
+    def share(self) -> Share | None:
+        """Whose its requests are, for fair shares of the model (None: the default tenant, nobody's in particular)."""
+        return None if self.name == DEFAULT_TENANT else Share(self.name, self.weight)
 
     def priority(self, asked: Priority | None) -> Priority:
         """The priority of a request that asked for ``asked`` (None: it asked for none, and gets the highest it may
@@ -186,12 +193,14 @@ class ApiKeys:
         self._path = path
         self._clock = clock
         self._tenants: dict[str, Tenant] = {key_hash(key): ANYONE for key in keys}
+        self._by_name: dict[str, Tenant] = {}
         self._stamp: tuple[int, int] | None = None  # the file's (mtime_ns, size) when it was read
         self._looked_at = -RELOAD_S
         if path is not None:
             self._tenants = parse_keys(path.read_text(encoding="utf-8"))
             self._stamp = _stamp(path)
             self._looked_at = clock()
+        self._by_name = _by_name(self._tenants)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ApiKeys":
@@ -221,6 +230,12 @@ class ApiKeys:
             raise AuthenticationFailed("incorrect API key provided")
         return tenant
 
+    def tenant(self, name: str) -> Tenant | None:
+        """The tenant named ``name`` as the keys say now (work it left, such as a batch, runs as it is now), or None
+        once no key names it; the default tenant is always there."""
+        self._reload_if_changed()
+        return self._by_name.get(name, ANYONE if name == DEFAULT_TENANT else None)
+
     def _reload_if_changed(self) -> None:
         if self._path is None or self._clock() - self._looked_at < RELOAD_S:
             return
@@ -234,9 +249,13 @@ class ApiKeys:
             logger.error("API keys file %s not read again (%s); the keys read before still apply", self._path,
                          exc if isinstance(exc, ValueError) else type(exc).__name__)
             return
-        self._tenants, self._stamp = tenants, stamp
+        self._tenants, self._stamp, self._by_name = tenants, stamp, _by_name(tenants)
         logger.info("API keys file %s read again: %d key(s) of %d tenant(s)", self._path, len(tenants),
                     len({tenant.name for tenant in tenants.values()}))
+
+
+def _by_name(tenants: Mapping[str, Tenant]) -> dict[str, Tenant]:
+    return {tenant.name: tenant for tenant in tenants.values()}
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """The ingress's own metrics: requests sent again after the model replica serving them was lost, the Batch API's
-progress, and each tenant's usage."""
+progress (each tenant's usage: ``deployments.usage``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Callable
 from ray.serve import metrics as serve_metrics
 
 from deployments.ingress.batch.runner import BatchMetrics
-from deployments.ingress.usage import TenantUsage, Totals, UsageStore
 
 ResendCounter = Callable[[str, str, int], None]  # (model, cause, requests)
 
@@ -43,21 +42,3 @@ class RayBatchMetrics(BatchMetrics):
     def batches(self, by_status: dict[str, int]) -> None:
         for status, count in by_status.items():
             self._batches.set(count, tags={"status": status})
-
-
-class RayTenantUsage(TenantUsage):
-    """Each tenant's requests, inputs and tokens by model (``ray_embedding_tenant_requests_total``,
-    ``..._inputs_total``, ``..._tokens_total``; ``tenant`` is a name from the keys file, never a key), and to the
-    shared ledger."""
-
-    def __init__(self, store: UsageStore | None = None) -> None:
-        super().__init__(store)
-        self._counters = [serve_metrics.Counter(f"embedding_tenant_{what}_total", f"{what.capitalize()} by tenant",
-                                                tag_keys=("tenant", "model"))
-                          for what in ("requests", "inputs", "tokens")]
-
-    def flush(self, totals: Totals) -> None:
-        for (tenant, model), counts in totals.items():
-            for counter, count in zip(self._counters, counts):
-                counter.inc(count, tags={"tenant": tenant, "model": model})
-        super().flush(totals)

@@ -21,11 +21,10 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 from deployments.errors import TenantOverBudget, TenantRateLimited
 from deployments.ingress.auth import Tenant, TenantLimits
 from deployments.ingress.tenant_budget import Grant, Remaining, TenantBudgets
-from deployments.ingress.usage import Row, UsageLedger
+from deployments.usage import NAMESPACE
 
 logger = logging.getLogger("ray.serve")
 
-NAMESPACE = "adaptive-embeddings-tenants"
 LEASE_S = 1.0
 IDLE_RETURN_S = 5.0
 SWEEP_S = 1.0
@@ -39,19 +38,11 @@ class Limiter(Protocol):
 
 
 class TenantLimiter:
-    """The one budget, and the tenants' usage ledger (a Ray actor on a cluster; in the process where there is no
-    Ray)."""
+    """The one budget (a Ray actor on a cluster; in the process where there is no Ray)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._budgets = TenantBudgets()
-        self._ledger = UsageLedger()
         self._clock = clock
-
-    async def record_usage(self, rows: list[Row]) -> None:
-        self._ledger.add(rows)
-
-    async def usage(self, start: int, end: int) -> list[Row]:
-        return self._ledger.between(start, end)
 
     async def claim(self, tenant: str, limits: TenantLimits, model: str, requests: int, tokens: int,
                     lease: tuple[int, int]) -> Grant:
@@ -74,12 +65,6 @@ class RayLimiter:
 
     async def give_back(self, *args: Any) -> None:
         await (await self._handle()).give_back.remote(*args)
-
-    async def record_usage(self, rows: list[Row]) -> None:
-        await (await self._handle()).record_usage.remote(rows)
-
-    async def usage(self, start: int, end: int) -> list[Row]:
-        return await (await self._handle()).usage.remote(start, end)
 
     async def _handle(self) -> Any:
         if self._actor is None:

@@ -3,8 +3,11 @@ embeddings, for admin keys only (a keys file's tenant with ``admin: true``; ever
 
 A tenant is a ``project_id``. Buckets are a UTC day (``bucket_width=1d``, the default) or hour (``1h``), from
 ``start_time`` (required) to ``end_time`` (default: now), at most ``limit`` of them a page (``next_page`` names the
-next); ``group_by`` takes ``project_id`` and ``model`` (``user_id`` and ``api_key_id`` are always null here). Read from
-the ledger every replica writes to (``usage.py``), this replica's last counts included.
+next); ``group_by`` takes ``project_id`` and ``model`` (``user_id`` and ``api_key_id`` are always null here). Each result
+adds two fields to OpenAI's: ``input_cached_tokens``, of ``input_tokens`` those answered without the backend (the
+cache, or the same input in flight or repeated), and ``input_billed_tokens``, what the provider billed for the
+tenant's inputs (0 for a local model). Read from the ledger every replica writes to (``deployments/usage.py``): this
+replica's counts up to now, the others' up to a second ago.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from fastapi import FastAPI, Request
 
 from deployments.errors import InvalidRequest, PermissionDenied
 from deployments.ingress.auth import ApiKeys
-from deployments.ingress.usage import HOUR_S, TenantUsage, UsageStore
+from deployments.usage import BILLED_TOKENS, CACHED_TOKENS, COUNTS, HOUR_S, REQUESTS, TOKENS, TenantUsage
 
 WIDTHS = {"1h": HOUR_S, "1d": 24 * HOUR_S}
 LIMITS = {"1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and most buckets a page
@@ -25,10 +28,9 @@ PATH = "/v1/organization/usage/embeddings"
 
 
 class UsageRoutes:
-    def __init__(self, api_keys: ApiKeys, usage: TenantUsage, store: UsageStore) -> None:
+    def __init__(self, api_keys: ApiKeys, usage: TenantUsage) -> None:
         self._api_keys = api_keys
         self._usage = usage
-        self._store = store
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.embeddings_usage, methods=["GET"])
@@ -55,26 +57,26 @@ class UsageRoutes:
         last = min(end, first + limit * width)
         self._usage.flush_now()
         await self._usage.written()
-        rows = await self._store.usage(first, last)
+        rows = [] if self._usage.store is None else await self._usage.store.usage(first, last)
         buckets = []
         for bucket_start in range(first, last, width):
             results: dict[tuple[Any, ...], list[int]] = {}
-            for hour, project, model, requests, _, tokens in rows:
+            for hour, project, model, *counts in rows:
                 if bucket_start <= hour < bucket_start + width:
                     key = (project if "project_id" in groups else None, model if "model" in groups else None)
-                    totals = results.setdefault(key, [0, 0])
-                    totals[0] += requests
-                    totals[1] += tokens
+                    totals = results.setdefault(key, [0] * len(COUNTS))
+                    for position, count in enumerate(counts):
+                        totals[position] += count
             buckets.append({"object": "bucket", "start_time": bucket_start, "end_time": bucket_start + width,
-                            "results": [_result(project, model, requests, tokens)
-                                        for (project, model), (requests, tokens) in results.items()]})
+                            "results": [_result(project, model, counts) for (project, model), counts in results.items()]})
         more = last < end
         return {"object": "page", "data": buckets, "has_more": more, "next_page": str(last) if more else None}
 
 
-def _result(project: str | None, model: str | None, requests: int, tokens: int) -> dict[str, Any]:
-    return {"object": "organization.usage.embeddings.result", "input_tokens": tokens, "num_model_requests": requests,
-            "project_id": project, "user_id": None, "api_key_id": None, "model": model}
+def _result(project: str | None, model: str | None, counts: list[int]) -> dict[str, Any]:
+    return {"object": "organization.usage.embeddings.result", "input_tokens": counts[TOKENS],
+            "num_model_requests": counts[REQUESTS], "project_id": project, "user_id": None, "api_key_id": None,
+            "model": model, "input_cached_tokens": counts[CACHED_TOKENS], "input_billed_tokens": counts[BILLED_TOKENS]}
 
 
 def _whole(value: str | None, param: str) -> int:

@@ -1,5 +1,6 @@
 """The last stage of a model's path: its inputs batched into the backend's calls, one ``AdaptiveBatcher`` per
-output size, each call paced by the provider's quota for an upstream model (``deployments.model.quota``)."""
+output size, each call paced by the provider's quota for an upstream model (``deployments.model.quota``), and what
+the provider was paid for each tenant's inputs counted from the calls that succeeded."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from batching import AdaptiveBatcher, BatcherClosed, BatcherConfig, BatcherMetri
 from deployments.model.backends import EmbeddingBackend, Prepared
 from deployments.model.quota import PacedInput, QuotaPacer
 from deployments.model.stage import Outcome
+from deployments.usage import ModelUsage
 from deployments.wire import Deadline, Share
 
 
@@ -19,14 +21,26 @@ def _token_cost(payload: Prepared) -> float:
     return payload.tokens
 
 
+def _bill(usage: ModelUsage, payloads: Sequence[PacedInput], outcomes: Sequence[Outcome]) -> None:
+    """Each tenant's tokens of the call's inputs that came back (the provider bills a call that succeeded)."""
+    billed: dict[str, int] = {}
+    for payload, outcome in zip(payloads, outcomes):
+        if payload.tenant is not None and isinstance(outcome, np.ndarray):
+            billed[payload.tenant] = billed.get(payload.tenant, 0) + payload.tokens
+    for tenant, tokens in billed.items():
+        usage.billed(tenant, tokens)
+
+
 class BatchedBackend:
     def __init__(self, name: str, backend: EmbeddingBackend, config: BatcherConfig, metrics: BatcherMetrics,
-                 pacer: QuotaPacer | None = None) -> None:
+                 pacer: QuotaPacer | None = None, usage: ModelUsage | None = None) -> None:
+        """``usage``: where a tenant's billed tokens are counted (an upstream model's: those of its paced calls)."""
         self._name = name
         self._backend = backend
         self._config = config
         self._metrics = metrics
         self._pacer = pacer
+        self._usage = usage
         self._batchers: dict[int | None, AdaptiveBatcher[Prepared, np.ndarray]] = {}
         self._closed = False
 
@@ -35,7 +49,8 @@ class BatchedBackend:
         batcher = self._batcher(dimensions)
         items: Sequence[Prepared] = prepared
         if self._pacer is not None:  # its batch's claim needs the priority and deadlines
-            items = [PacedInput(item.content, item.tokens, priority, deadline) for item in prepared]
+            tenant = None if share is None else share.key
+            items = [PacedInput(item.content, item.tokens, priority, deadline, tenant) for item in prepared]
         key, weight = share if share is not None else (None, 1.0)
         return await batcher.submit_many(items, priority=priority, timeout_s=Deadline.seconds_left(deadline),
                                          return_exceptions=True, key=key, weight=weight)
@@ -55,13 +70,18 @@ class BatchedBackend:
             raise BatcherClosed(f"model {self._name!r} is shutting down")
         batcher = self._batchers.get(dimensions)
         if batcher is None:
-            backend, pacer = self._backend, self._pacer
+            backend, pacer, usage = self._backend, self._pacer, self._usage
 
             async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
                 def send() -> Awaitable[Sequence[np.ndarray | BaseException]]:
                     return backend.embed([payload.content for payload in payloads], dimensions)
 
-                return await (send() if pacer is None else pacer.paced(payloads, send))
+                if pacer is None:
+                    return await send()
+                outcomes = await pacer.paced(payloads, send)
+                if usage is not None:
+                    _bill(usage, payloads, outcomes)
+                return outcomes
 
             size = dimensions or backend.dimension or "default"
             batcher = AdaptiveBatcher(process, self._config, cost_fn=_token_cost, metrics=self._metrics,

@@ -30,6 +30,7 @@ from deployments.model.quota import make_pacer
 from deployments.model.quota.metrics import RayQuotaMetrics
 from deployments.model.relay import ProviderRelay
 from deployments.model.stage import EmbeddingStage
+from deployments.usage import ModelUsage, RayTenantUsage, RayUsageLedger, TenantUsage
 from deployments.wire import Deadline, EmbedRequest
 
 logger = logging.getLogger("ray.serve")
@@ -44,21 +45,28 @@ class EmbeddingModel:
     def __init__(
         self, model: ModelConfig, *, backend: EmbeddingBackend | None = None, metrics: BatcherMetrics | None = None,
         cache_metrics: CacheMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+        usage: TenantUsage | None = None,
     ) -> None:
         """``backend``, ``metrics`` and ``cache_metrics`` default to what the model entry names and Ray Serve sinks;
-        ``clock`` is the quota's, the event loop's (``time.monotonic``, or a test's controlled clock)."""
+        ``clock`` is the quota's, the event loop's (``time.monotonic``, or a test's controlled clock). ``usage``
+        counts each tenant's tokens answered from the cache and billed upstream (default: to Ray Serve's metrics and
+        the application's ledger where ``metrics`` is, else nowhere)."""
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         # an upstream model's calls claim the provider's quota first (deployments/model/quota/); its answers update it
         pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None, clock)
         if pacer is not None:
             self._backend.on_response = pacer.observe
+        if usage is None:
+            usage = RayTenantUsage(RayUsageLedger()) if metrics is None else TenantUsage()
+        self._usage = usage
+        costs = ModelUsage(usage, model.name)
         # the path runs one way: the cache (if any) answers what it holds and passes the rest to the batchers
         self._batched = BatchedBackend(model.name, self._backend, model.batcher,
-                                       metrics if metrics is not None else RayServeMetrics(), pacer)
-        self._cache = make_cache(model, self._batched, cache_metrics)
+                                       metrics if metrics is not None else RayServeMetrics(), pacer, costs)
+        self._cache = make_cache(model, self._batched, cache_metrics, costs)
         self._first_stage: EmbeddingStage = self._cache if self._cache is not None else self._batched
-        self._relay = self._provider_relay()
+        self._relay = self._provider_relay(costs)
         self._closing = False
 
     async def embed(
@@ -107,9 +115,11 @@ class EmbeddingModel:
         return await self._relaying().submit(tag, inputs, dimensions, per_line)
 
     async def relay_collect(self, batch_id: str, inputs: Sequence[Any], dimensions: int | None,
-                            per_line: int) -> tuple[str, bool, int]:
-        """The provider batch's status, whether it is final, and how many of ``inputs`` it embedded (then cached)."""
-        return await self._relaying().collect(batch_id, inputs, dimensions, self._output_size(dimensions), per_line)
+                            per_line: int, tenant: str | None = None) -> tuple[str, bool, int]:
+        """The provider batch's status, whether it is final, and how many of ``inputs`` it embedded (then cached,
+        and billed to ``tenant``)."""
+        return await self._relaying().collect(batch_id, inputs, dimensions, self._output_size(dimensions), per_line,
+                                              tenant)
 
     async def relay_cancel(self, batch_id: str) -> None:
         await self._relaying().cancel(batch_id)
@@ -146,6 +156,8 @@ class EmbeddingModel:
         if self._cache is not None:
             await self._cache.aclose()
         await self._backend.aclose()
+        self._usage.flush_now()
+        await self._usage.written()
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve calls ``__del__`` on replica shutdown (after it stopped routing requests here) and awaits the
@@ -199,12 +211,12 @@ class EmbeddingModel:
             raise InvalidRequest(f"model {self._model.name!r} has no cache to answer from", param="model")
         return await self._cache.cached(prepared, dimensions=dimensions)
 
-    def _provider_relay(self) -> ProviderRelay | None:
+    def _provider_relay(self, usage: ModelUsage) -> ProviderRelay | None:
         """What relays Batch API work to the provider's Batch API, if the entry says so."""
         provider_batches = getattr(self._backend, "provider_batches", None)
         if self._model.provider_batches is None or self._cache is None or provider_batches is None:
             return None
-        return ProviderRelay(provider_batches(), self._cache, self._prepare_to_relay)
+        return ProviderRelay(provider_batches(), self._cache, self._prepare_to_relay, usage)
 
     def _relaying(self) -> ProviderRelay:
         if self._relay is None:

@@ -13,6 +13,7 @@ import numpy as np
 from deployments.errors import UpstreamFailed
 from deployments.model.backends import Prepared, UpstreamError
 from deployments.model.cache.front import EmbeddingCache
+from deployments.usage import ModelUsage
 
 if TYPE_CHECKING:  # the openai backend's, imported only where it is used
     from deployments.model.backends.provider_batches import ProviderBatches
@@ -21,12 +22,15 @@ Prepare = Callable[[Sequence[Any]], Awaitable[list[Prepared | BaseException]]]
 
 
 class ProviderRelay:
-    def __init__(self, batches: ProviderBatches, cache: EmbeddingCache, prepare: Prepare) -> None:
+    def __init__(self, batches: ProviderBatches, cache: EmbeddingCache, prepare: Prepare,
+                 usage: ModelUsage | None = None) -> None:
         """``prepare``: the model's inputs made ready as a request's are (token limit included), a failure in place
-        of each input that cannot be embedded."""
+        of each input that cannot be embedded. ``usage``: where the tokens a provider batch embedded are billed to
+        its tenant."""
         self._batches = batches
         self._cache = cache
         self._prepare = prepare
+        self._usage = usage
 
     async def uncached(self, inputs: Sequence[Any], dimensions: int | None, key: int | None) -> list[int]:
         """The indexes of the inputs the cache lacks and the provider can embed (one that fails as a request's input
@@ -40,9 +44,9 @@ class ProviderRelay:
         return await _provider_call(self._batches.submit(tag, inputs, dimensions, per_line))
 
     async def collect(self, batch_id: str, inputs: Sequence[Any], dimensions: int | None, key: int | None,
-                      per_line: int) -> tuple[str, bool, int]:
+                      per_line: int, tenant: str | None = None) -> tuple[str, bool, int]:
         """The provider batch's status, whether it is final, and how many inputs it embedded: once it is final
-        their vectors are in the cache (written before this returns)."""
+        their vectors are in the cache (written before this returns), and their tokens billed to ``tenant``."""
         polled = await _provider_call(self._batches.poll(batch_id, len(inputs), per_line))
         if not polled.done:
             return polled.status, False, 0
@@ -50,6 +54,8 @@ class ProviderRelay:
         vectors = {item: vector for item, vector in zip(prepared, polled.vectors)
                    if isinstance(item, Prepared) and vector is not None}
         await self._cache.put(vectors, dimensions=key)
+        if tenant is not None and self._usage is not None:
+            self._usage.billed(tenant, sum(item.tokens for item in vectors))
         return polled.status, True, len(vectors)
 
     async def cancel(self, batch_id: str) -> None:

@@ -1,9 +1,10 @@
 """Tenants on a running application (two ingress replicas, an ``openai`` model on the simulated upstream): a tenant's
-RPM held as one budget across both replicas, its usage one ledger across both, and a key revoked in the keys file
-refused within seconds."""
+RPM held as one budget across both replicas, its daily token budget never passed by more than one request, its usage
+one ledger across both, and a key revoked in the keys file refused within seconds."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,12 +24,15 @@ APP = "tenants"
 PREFIX = "/tenants"
 MODEL = "sim-tenants"
 RPM = 60
-KEEP, REVOKE, ADMIN = "sk-limited-tenant", "sk-revoked-soon", "sk-admin"
+TOKENS_PER_DAY = 300
+TEXT, TEXT_TOKENS = "a short text", 3  # cl100k_base
+KEEP, REVOKE, ADMIN, DAILY = "sk-limited-tenant", "sk-revoked-soon", "sk-admin", "sk-daily-budget"
 
 
 def write_keys(path: Path, keys: tuple[str, ...]) -> None:
     path.write_text(f"tenants:\n  limited:\n    keys: [{', '.join(key_hash(key) for key in keys)}]\n"
-                    f"    rpm: {RPM}\n  finance:\n    keys: [{key_hash(ADMIN)}]\n    admin: true\n")
+                    f"    rpm: {RPM}\n  finance:\n    keys: [{key_hash(ADMIN)}]\n    admin: true\n"
+                    f"  daily:\n    keys: [{key_hash(DAILY)}]\n    tokens_per_day: {TOKENS_PER_DAY}\n")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def tenants_app(serve_instance: Service, tmp_path_factory: pytest.TempPathFactor
 
 
 def post(http: httpx.Client, key: str) -> httpx.Response:
-    return http.post(f"{PREFIX}/v1/embeddings", json={"model": MODEL, "input": "a short text"},
+    return http.post(f"{PREFIX}/v1/embeddings", json={"model": MODEL, "input": TEXT},
                      headers={"Authorization": f"Bearer {key}"})
 
 
@@ -76,6 +80,29 @@ def test_a_tenants_rpm_holds_across_two_ingress_replicas(tenants_app) -> None:
                          params={"start_time": int(started_at) // 86_400 * 86_400, "group_by": "project_id"}).json()
     results = [result for bucket in usage["data"] for result in bucket["results"]]
     assert [(r["project_id"], r["num_model_requests"]) for r in results] == [("limited", granted)]
+
+
+def test_a_tenants_daily_budget_is_never_passed_by_more_than_one_request_from_clients_on_both_replicas(
+        tenants_app) -> None:
+    service, _, _ = tenants_app
+
+    def client() -> list[httpx.Response]:
+        answers = []
+        with service.http() as http:
+            while not answers or answers[-1].status_code == 200:
+                answers.append(post(http, DAILY))
+        return answers
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = [answer for answers in pool.map(lambda _: client(), range(8)) for answer in answers]
+    served = sum(answer.json()["usage"]["total_tokens"] for answer in answers if answer.status_code == 200)
+    refusals = [answer for answer in answers if answer.status_code != 200]
+    assert served <= TOKENS_PER_DAY + TEXT_TOKENS
+    # what a replica still holds of its last claim (a text's claim is its characters) is unspent, not lost
+    assert served >= TOKENS_PER_DAY - 2 * (len(TEXT) + TOKENS_PER_DAY // 50) - TEXT_TOKENS
+    assert len(refusals) == 8 and {answer.status_code for answer in refusals} == {429}
+    assert {answer.json()["error"]["code"] for answer in refusals} == {"insufficient_quota"}
+    assert all(int(answer.headers["retry-after"]) >= 1 for answer in refusals)
 
 
 def test_a_key_revoked_in_the_keys_file_is_refused_within_seconds(tenants_app) -> None:

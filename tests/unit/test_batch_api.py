@@ -126,7 +126,7 @@ async def test_a_batch_resumes_after_its_journal_and_never_sends_a_finished_line
     sent: list[list[str]] = []
     never = asyncio.Event()
 
-    async def first_process(body: bytes, cached_only: bool) -> bytes:  # answers the first four lines, then its process ends
+    async def first_process(body: bytes, cached_only: bool, tenant: str) -> bytes:  # answers the first four lines, then its process ends
         text = orjson.loads(body)["input"]
         sent.append(text)
         if text in texts[4:]:
@@ -142,7 +142,7 @@ async def test_a_batch_resumes_after_its_journal_and_never_sends_a_finished_line
     await first.aclose()  # as if killed: the lock goes with its process, the journal stays
     resent: list[str] = []
 
-    async def second_process(body: bytes, cached_only: bool) -> bytes:
+    async def second_process(body: bytes, cached_only: bool, tenant: str) -> bytes:
         text = orjson.loads(body)["input"]
         resent.append(text)
         return orjson.dumps({"data": [{"embedding": vector_of(text)}]})

@@ -16,7 +16,7 @@ from batching import Priority
 from deployments.ingress import auth
 from deployments.ingress.api import create_api
 from deployments.ingress.auth import ApiKeys, key_hash
-from deployments.ingress.usage import TenantUsage, Totals
+from deployments.usage import COUNTS, TenantUsage, Totals
 
 from .batch_fakes import MODEL, FakeModel
 
@@ -52,7 +52,7 @@ class RecordedUsage(TenantUsage):
 
     def flush(self, totals: Totals) -> None:
         for key, counts in totals.items():
-            self.totals[key] = [a + b for a, b in zip(self.totals.get(key, [0, 0, 0]), counts)]
+            self.totals[key] = [a + b for a, b in zip(self.totals.get(key, [0] * len(COUNTS)), counts)]
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_each_key_acts_as_its_tenant_and_its_usage_is_counted_under_the_tenants_
     http.portal.call(usage.flush_now)
     assert models[MODEL].requests == [(["one", "two"], Priority.HIGH)]
     assert models[OTHER_MODEL].requests == [(["three"], Priority.LOW)]  # a batch-only key's requests are LOW
-    assert usage.totals == {("search", MODEL): [1, 2, 2], ("indexer", OTHER_MODEL): [1, 1, 1]}
+    assert usage.totals == {("search", MODEL): [1, 2, 2, 0, 0], ("indexer", OTHER_MODEL): [1, 1, 1, 0, 0]}
 
 
 def test_a_tenants_requests_carry_its_share_to_the_model_and_a_plain_keys_carry_none(tmp_path: Path) -> None:

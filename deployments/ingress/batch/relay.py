@@ -25,7 +25,8 @@ from deployments.config import ProviderBatchConfig
 from deployments.errors import ServiceError
 from deployments.ingress import schemas
 from deployments.ingress.batch import lines
-from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore
+from deployments.ingress.batch.store import LINES_PER_TURN, OWNER, BatchStore
+from deployments.usage import DEFAULT_TENANT
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,9 +48,10 @@ class RelayedModel:
     async def submit(self, tag: str, inputs: list[Any], dimensions: int | None, per_line: int) -> str:
         return await self._call("relay_submit", tag, inputs, dimensions, per_line)
 
-    async def collect(self, batch_id: str, inputs: list[Any], dimensions: int | None,
-                      per_line: int) -> tuple[str, bool, int]:
-        return tuple(await self._call("relay_collect", batch_id, inputs, dimensions, per_line))  # type: ignore
+    async def collect(self, batch_id: str, inputs: list[Any], dimensions: int | None, per_line: int,
+                      tenant: str | None) -> tuple[str, bool, int]:
+        return tuple(await self._call("relay_collect", batch_id, inputs, dimensions, per_line,  # type: ignore
+                                      tenant))
 
     async def cancel(self, batch_id: str) -> None:
         await self._call("relay_cancel", batch_id)
@@ -75,7 +77,7 @@ class BatchRelay:
             state = await self._next_round(batch, done, state["round"] + 1)
             if state is None:
                 return False
-        await self._finish_parts(batch_id, state, running)
+        await self._finish_parts(batch, state, running)
         return True
 
     async def _next_round(self, batch: dict[str, Any], done: Collection[int], number: int) -> dict[str, Any] | None:
@@ -131,8 +133,11 @@ class BatchRelay:
                 missing[model, dimensions] = lacking
         return missing
 
-    async def _finish_parts(self, batch_id: str, state: dict[str, Any], running: Callable[[], bool]) -> None:
+    async def _finish_parts(self, batch: dict[str, Any], state: dict[str, Any], running: Callable[[], bool]) -> None:
         """Submit and poll the round's parts until each is final, saving the state at every change."""
+        batch_id = batch["id"]
+        owner = batch.get(OWNER, DEFAULT_TENANT)
+        tenant = None if owner == DEFAULT_TENANT else owner  # whose bill the provider's batches are on
         while True:
             open_parts = [part for part in state["parts"] if part["status"] is None]
             if not open_parts:
@@ -143,12 +148,12 @@ class BatchRelay:
                 await self._cancel(batch_id, open_parts)
                 return
             for part in open_parts:
-                await self._advance(batch_id, part)
+                await self._advance(batch_id, part, tenant)
                 self._store.save_relay_state(batch_id, state)
             if any(part["status"] is None for part in open_parts):
                 await asyncio.sleep(min(self._models[part["model"]].config.poll_s for part in open_parts))
 
-    async def _advance(self, batch_id: str, part: dict[str, Any]) -> None:
+    async def _advance(self, batch_id: str, part: dict[str, Any], tenant: str | None) -> None:
         model = self._models[part["model"]]
         inputs = self._store.relay_inputs(batch_id, part["name"])
         try:
@@ -156,7 +161,7 @@ class BatchRelay:
                 part["provider_batch_id"] = await model.submit(f"{batch_id}-{part['name']}", inputs,
                                                                part["dimensions"], part["per_line"])
             status, final, embedded = await model.collect(part["provider_batch_id"], inputs, part["dimensions"],
-                                                          part["per_line"])
+                                                          part["per_line"], tenant)
         except Exception as exc:  # noqa: BLE001 - the provider or the replica is down for now: asked again
             part["failed_calls"] += 1
             logger.warning("batch %s: relayed part %s: %s (%d in a row)", batch_id, part["name"], exc,

@@ -1,7 +1,11 @@
 """``/v1/files`` and ``/v1/batches`` in OpenAI's shapes: what the ``openai`` client's ``files.create``, ``files.list``,
 ``files.retrieve``, ``files.delete``, ``files.content``, ``batches.create``, ``batches.retrieve``, ``batches.list`` and
 ``batches.cancel`` send and read. API keys apply as on ``/v1/embeddings``; every refusal is a 4xx in OpenAI's error
-shape."""
+shape.
+
+Files and batches are their tenant's, as OpenAI's are their project's: a key sees, reads, deletes and cancels only its
+own tenant's (another's is "not found", so not even its id is confirmed), a batch takes only its tenant's files, and
+its lines run as that tenant (``runner.py``)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ from starlette.datastructures import UploadFile
 
 from deployments.config import BatchConfig
 from deployments.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound
-from deployments.ingress.auth import ApiKeys
+from deployments.ingress.auth import ApiKeys, Tenant
 from deployments.ingress.batch.lines import ENDPOINT
 from deployments.ingress.batch.runner import ACTIVE, WINDOW_S
-from deployments.ingress.batch.store import BatchStore, TooLarge, new_id
+from deployments.ingress.batch.store import OWNER, BatchStore, TooLarge, new_id
+from deployments.usage import DEFAULT_TENANT
 
 PURPOSE = "batch"  # the one purpose of an uploaded file this service has a use for
 MULTIPART_SLACK_BYTES = 64 * 1024  # a multipart body's own bytes beside the file's
@@ -46,7 +51,7 @@ class BatchRoutes:
     # ---- files --------------------------------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        tenant = self._tenant(request)
         limit = self._config.max_file_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit + MULTIPART_SLACK_BYTES:
@@ -60,46 +65,48 @@ class BatchRoutes:
             if not isinstance(upload, UploadFile):
                 raise InvalidRequest("'file' must be an uploaded file", param="file")
             try:
-                return self._store.add_file(upload.filename or "upload.jsonl", purpose, upload.file, limit)
+                return _shown(self._store.add_file(upload.filename or "upload.jsonl", purpose, upload.file, limit,
+                                                   tenant.name))
             except TooLarge:
                 raise PayloadTooLarge(f"the file exceeds the {limit}-byte limit", param="file") from None
 
     async def list_files(self, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        tenant = self._tenant(request)
         query = request.query_params
-        records = [f for f in self._store.files() if query.get("purpose") in (None, f["purpose"])]
+        records = [f for f in self._store.files() if query.get("purpose") in (None, f["purpose"]) and _owns(tenant, f)]
         if query.get("order") == "asc":
             records.reverse()
         return _page(records, query.get("after"), _limit(query.get("limit")))
 
     async def retrieve_file(self, file_id: str, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
-        return self._file(file_id)
+        return _shown(self._file(file_id, self._tenant(request)))
 
     async def delete_file(self, file_id: str, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        self._file(file_id, self._tenant(request))
         if not self._store.delete_file(file_id):
             raise _no_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     async def file_content(self, file_id: str, request: Request) -> FileResponse:
-        self._api_keys.check(request.headers.get("authorization"))
-        record = self._file(file_id)
+        record = self._file(file_id, self._tenant(request))
         path = self._store.file_path(file_id)
         if not path.exists():
             raise _no_file(file_id)
         return FileResponse(path, media_type="application/jsonl", filename=record["filename"])
 
-    def _file(self, file_id: str) -> dict[str, Any]:
+    def _file(self, file_id: str, tenant: Tenant) -> dict[str, Any]:
         record = self._store.file(file_id)
-        if record is None:
+        if record is None or not _owns(tenant, record):
             raise _no_file(file_id)
         return record
+
+    def _tenant(self, request: Request) -> Tenant:
+        return self._api_keys.check(request.headers.get("authorization"))
 
     # ---- batches ------------------------------------------------------------------------------------------------
 
     async def create_batch(self, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        tenant = self._tenant(request)
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
@@ -113,7 +120,7 @@ class BatchRoutes:
         if window not in WINDOW_S:
             raise InvalidRequest(f"'completion_window' must be one of {sorted(WINDOW_S)}", param="completion_window")
         input_file = self._store.file(str(body.get("input_file_id")))
-        if input_file is None or input_file["purpose"] != PURPOSE:
+        if input_file is None or input_file["purpose"] != PURPOSE or not _owns(tenant, input_file):
             raise InvalidRequest(f"'input_file_id' must name a file uploaded with purpose {PURPOSE!r}",
                                  param="input_file_id")
         now = self._store.now()
@@ -123,25 +130,28 @@ class BatchRoutes:
                  "expires_at": now + WINDOW_S[window], "finalizing_at": None, "completed_at": None,
                  "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0},
-                 "metadata": _metadata(body.get("metadata"))}
+                 "metadata": _metadata(body.get("metadata")), OWNER: tenant.name}
         self._store.save_batch(batch)
         self._wake()
-        return batch
+        return _shown(batch)
 
     async def list_batches(self, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        tenant = self._tenant(request)
         query = request.query_params
-        return _page(self._store.batches(), query.get("after"), _limit(query.get("limit"), default=20))
+        return _page([batch for batch in self._store.batches() if _owns(tenant, batch)], query.get("after"),
+                     _limit(query.get("limit"), default=20))
 
     async def retrieve_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
         batch = self._store.batch(batch_id)
-        if batch is None:
+        if batch is None or not _owns(self._tenant(request), batch):
             raise _no_batch(batch_id)
-        return batch
+        return _shown(batch)
 
     async def cancel_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
-        self._api_keys.check(request.headers.get("authorization"))
+        tenant = self._tenant(request)
+        batch = self._store.batch(batch_id)
+        if batch is None or not _owns(tenant, batch):
+            raise _no_batch(batch_id)
         refused: list[str] = []
         now = self._store.now()
 
@@ -157,13 +167,22 @@ class BatchRoutes:
         if refused:
             raise InvalidRequest(f"the batch is {refused[0]}: only a batch that is running can be cancelled")
         self._wake()
-        return batch
+        return _shown(batch)
+
+
+def _owns(tenant: Tenant, record: dict[str, Any]) -> bool:
+    return record.get(OWNER, DEFAULT_TENANT) == tenant.name
+
+
+def _shown(record: dict[str, Any]) -> dict[str, Any]:
+    """The object as OpenAI shows it: its tenant left out."""
+    return {field: value for field, value in record.items() if field != OWNER}
 
 
 def _page(records: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
     """OpenAI's cursor page: the ``limit`` records after the one named ``after``."""
     start = next((i + 1 for i, record in enumerate(records) if record["id"] == after), 0) if after else 0
-    page = records[start:start + limit]
+    page = [_shown(record) for record in records[start:start + limit]]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(records)}
 

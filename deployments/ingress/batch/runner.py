@@ -7,6 +7,9 @@ A batch goes ``validating`` (its input file read and counted) -> ``in_progress``
 files written in the input's order) -> ``completed``; or ``failed`` (its input file unusable), ``expired`` (its
 completion window passed first) or ``cancelling`` -> ``cancelled``, the last two with the lines finished so far.
 
+A batch's lines run as its tenant (the one whose key created it), as that tenant's ``/v1/embeddings`` requests would:
+its models, limits, fair share and usage; a tenant no longer in the keys file has its lines refused.
+
 Lines for a model that relays batches to its provider (``provider_batches``) are embedded by the provider's Batch
 API first and then answered from the model's cache alone (``relay.py``), in rounds until each is final.
 
@@ -27,12 +30,14 @@ from deployments.config import BatchConfig
 from deployments.errors import NotCached, RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed
 from deployments.ingress.batch import lines
 from deployments.ingress.batch.relay import BatchRelay
-from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore
+from deployments.ingress.batch.store import LINES_PER_TURN, OWNER, BatchStore
+from deployments.usage import DEFAULT_TENANT
 
 logger = logging.getLogger("ray.serve")
 
-# a /v1/embeddings request body, and whether only the model's cache may answer it -> its response body, sent as LOW
-Embed = Callable[[bytes, bool], Awaitable[bytes]]
+# a /v1/embeddings request body, whether only the model's cache may answer it, and its tenant -> its response body,
+# sent as LOW
+Embed = Callable[[bytes, bool, str], Awaitable[bytes]]
 
 LINES_IN_FLIGHT = 256
 POLL_S = 1.0  # how often a runner looks for batches to run (and a running batch for a cancel)
@@ -224,7 +229,7 @@ class BatchRunner:
                 if finished is not None:
                     self._record(batch_id, index, finished, outcomes)
                     continue
-                task = asyncio.ensure_future(self._send(batch_id, index, request, outcomes, final))
+                task = asyncio.ensure_future(self._send(batch, index, request, outcomes, final))
                 in_flight.add(task)
                 task.add_done_callback(lambda task: (in_flight.discard(task), room.release()))
         if in_flight:
@@ -245,13 +250,14 @@ class BatchRunner:
         seen.add(request.custom_id)
         return request, None
 
-    async def _send(self, batch_id: str, index: int, request: lines.Request, outcomes: dict[int, bool],
+    async def _send(self, batch: dict[str, Any], index: int, request: lines.Request, outcomes: dict[int, bool],
                     final: bool) -> None:
+        batch_id, owner = batch["id"], batch.get(OWNER, DEFAULT_TENANT)
         unavailable = 0
         relayed = self._relay is not None and self._relay.relays(request.model)
         while True:
             try:
-                finished = lines.answered(request.custom_id, await self._embed(request.body, relayed))
+                finished = lines.answered(request.custom_id, await self._embed(request.body, relayed, owner))
             except NotCached:
                 if not final:
                     return  # the relay's next round embeds it
@@ -305,7 +311,8 @@ class BatchRunner:
             chosen = [entry for entry in done if entry.ok is ok]
             if chosen:
                 written = await self._store.add_file_lines(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
-                                                           "batch_output", self._store.journal_lines(batch_id, chosen))
+                                                           "batch_output", self._store.journal_lines(batch_id, chosen),
+                                                           batch.get(OWNER, DEFAULT_TENANT))
                 files[kind] = written["id"]
         now = self._store.now()
         final = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),

@@ -23,11 +23,14 @@ from typing import IO, Any, Callable, Iterable, Iterator, NamedTuple
 
 import orjson
 
+from deployments.usage import DEFAULT_TENANT
+
 COPY_CHUNK_BYTES = 1 << 20
 # Lines read or written between turns of the ingress's event loop: a batch's 50,000 lines (hundreds of megabytes of
 # output) in one go hold the loop, and with it every interactive request, for a good part of a second.
 LINES_PER_TURN = 256
 SYNC_EVERY_S = 1.0  # the journal reaches the disk at least this often: a reboot redoes at most this much work
+OWNER = "owner"  # a file's or batch's tenant, kept in its object beside OpenAI's fields (and never shown)
 
 
 class Entry(NamedTuple):
@@ -62,8 +65,10 @@ class BatchStore:
 
     # ---- files --------------------------------------------------------------------------------------------------
 
-    def add_file(self, filename: str, purpose: str, content: IO[bytes], max_bytes: int) -> dict[str, Any]:
-        """Keep ``content`` (read in chunks; ``TooLarge`` past ``max_bytes``) as a new file; its object."""
+    def add_file(self, filename: str, purpose: str, content: IO[bytes], max_bytes: int,
+                 owner: str = DEFAULT_TENANT) -> dict[str, Any]:
+        """Keep ``content`` (read in chunks; ``TooLarge`` past ``max_bytes``) as a new file of ``owner``'s; its
+        object."""
         file_id = new_id("file-")
         data = self._files / f"{file_id}.data"
         size = 0
@@ -79,9 +84,10 @@ class BatchStore:
         except BaseException:
             data.unlink(missing_ok=True)
             raise
-        return self._describe_file(file_id, filename, purpose, size)
+        return self._describe_file(file_id, filename, purpose, size, owner)
 
-    async def add_file_lines(self, file_id: str, filename: str, purpose: str, lines: Iterator[bytes]) -> dict[str, Any]:
+    async def add_file_lines(self, file_id: str, filename: str, purpose: str, lines: Iterator[bytes],
+                             owner: str = DEFAULT_TENANT) -> dict[str, Any]:
         """A file the service writes (a batch's output or errors), from ``lines``; written again under the same id
         if it was written before (a batch finalized again after a crash). The event loop runs between each
         ``LINES_PER_TURN`` lines (on a thread instead, each request the loop serves would wait for the GIL at every
@@ -95,11 +101,11 @@ class BatchStore:
                     await asyncio.sleep(0)
             out.flush()
             os.fsync(out.fileno())
-        return self._describe_file(file_id, filename, purpose, size)
+        return self._describe_file(file_id, filename, purpose, size, owner)
 
-    def _describe_file(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
+    def _describe_file(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict[str, Any]:
         record = {"id": file_id, "object": "file", "bytes": size, "created_at": self.now(), "filename": filename,
-                  "purpose": purpose, "status": "processed", "status_details": None}
+                  "purpose": purpose, "status": "processed", "status_details": None, OWNER: owner}
         _write_json(self._files / f"{file_id}.json", record)
         return record
 

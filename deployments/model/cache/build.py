@@ -12,14 +12,15 @@ from deployments.model.cache.redis_store import RedisStore
 from deployments.model.cache.store import GuardedStore, VectorStore, longest_call_s
 from deployments.model.stage import EmbeddingStage
 from deployments.secrets import read_secret
+from deployments.usage import ModelUsage
 
 DEFAULT_DIRECTORY = Path("~/.cache/adaptive-embeddings/vectors")
 
 
-def make_cache(model: ModelConfig, next_stage: EmbeddingStage,
-               metrics: CacheMetrics | None = None) -> EmbeddingCache | None:
+def make_cache(model: ModelConfig, next_stage: EmbeddingStage, metrics: CacheMetrics | None = None,
+               usage: ModelUsage | None = None) -> EmbeddingCache | None:
     """The entry's cache in front of ``next_stage``, or None when it has none. ``metrics`` defaults to the Ray
-    Serve sink."""
+    Serve sink; ``usage`` counts each tenant's tokens the cache answered."""
     if model.cache is None:
         return None
     metrics = metrics if metrics is not None else RayServeCacheMetrics()
@@ -27,7 +28,7 @@ def make_cache(model: ModelConfig, next_stage: EmbeddingStage,
                          timeout_s=model.cache.timeout_ms / 1000.0,
                          patient_timeout_s=model.cache.low_timeout_ms / 1000.0, metrics=metrics)
     return EmbeddingCache(store, next_stage, name=model.name, backend_identity=vector_identity(model),
-                          metrics=metrics)
+                          metrics=metrics, usage=usage)
 
 
 def make_store(config: CacheConfig, model_name: str) -> VectorStore:

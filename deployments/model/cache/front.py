@@ -12,6 +12,7 @@ not hold to the next stage (the batchers):
 - a store that fails or is slow costs a miss (``store.py``), never the request; a LOW request's lookup may take
   longer than a HIGH one's (bulk work, which a late hit costs less than computing it again).
 Token counts are not stored: ``usage`` comes from ``Prepared.tokens``, counted for every request when it arrives.
+A tenant's request counts, as its cached tokens, the tokens of every input it was answered without computing.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from deployments.model.cache.metrics import CacheMetrics
 from deployments.model.cache.single_flight import Flight, FlightAbandoned, Flights
 from deployments.model.cache.store import GuardedStore
 from deployments.model.stage import EmbeddingStage, Outcome
+from deployments.usage import ModelUsage
 from deployments.wire import Deadline, Share
 
 VECTOR_DTYPE = np.dtype("<f4")  # stored as little-endian float32: the bytes the model returned
@@ -39,12 +41,14 @@ STORE_CALL_KEYS = 1024
 
 class EmbeddingCache:
     def __init__(self, store: GuardedStore, next_stage: EmbeddingStage, *, name: str, backend_identity: str,
-                 metrics: CacheMetrics) -> None:
+                 metrics: CacheMetrics, usage: ModelUsage | None = None) -> None:
+        """``usage``: where a tenant's cached tokens are counted."""
         self._store = store
         self._next = next_stage
         self._name = name
         self._backend_identity = backend_identity
         self._metrics = metrics
+        self._usage = usage
         self._keys: dict[int | None, CacheKeys] = {}
         self._flights: Flights[Outcome] = Flights()
         self._writes: set[asyncio.Task[None]] = set()
@@ -59,18 +63,24 @@ class EmbeddingCache:
         found: dict[str, Outcome] = dict(hits)
         saved = list(hits)
         pending = [key for key in inputs if key not in joined and key not in found]
+        computed: set[str] = set()
         while pending or joined:
             led, also_joined = self._flights.claim(pending, priority)
             joined.update(also_joined)
             if led:
-                found.update(await self._compute(led, inputs, dimensions, priority, deadline, share))
+                outcomes = await self._compute(led, inputs, dimensions, priority, deadline, share)
+                found.update(outcomes)
+                computed.update(outcomes)
             settled, pending = await self._wait_for(joined, deadline)
             found.update(settled)
             saved += [key for key, outcome in settled.items() if isinstance(outcome, np.ndarray)]
             joined = {}
         self._metrics.looked_up(self._name, "joined", len(saved) - len(hits))
         self._metrics.saved(self._name, len(saved), sum(inputs[key].tokens for key in saved))
-        return [found[key] for key in request_keys]
+        answers = [found[key] for key in request_keys]
+        if share is not None and self._usage is not None:
+            self._count_cached(share.key, prepared, request_keys, answers, computed)
+        return answers
 
     async def cached(self, prepared: Sequence[Prepared], *, dimensions: int | None) -> list[Outcome]:
         """What the store holds of each input, in order, and ``NotCached`` where it holds nothing: nothing is
@@ -103,6 +113,19 @@ class EmbeddingCache:
         """Let the writes in progress land, then close the store."""
         await self.written()
         await self._store.aclose()
+
+    def _count_cached(self, tenant: str, prepared: Sequence[Prepared], request_keys: list[str],
+                      answers: list[Outcome], computed: set[str]) -> None:
+        """The tokens of the inputs answered with a vector but not computed for this request: from the store, by
+        another request's flight, or as a repeat of an input of its own."""
+        tokens = 0
+        for item, key, answer in zip(prepared, request_keys, answers):
+            if isinstance(answer, np.ndarray):
+                if key in computed:
+                    computed.discard(key)  # its first occurrence was computed; a repeat is not
+                else:
+                    tokens += item.tokens
+        self._usage.cached(tenant, tokens)  # type: ignore[union-attr]
 
     def _keys_of(self, dimensions: int | None) -> CacheKeys:
         keys = self._keys.get(dimensions)

@@ -51,15 +51,18 @@ _CALL_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("quota_cal
 
 class PacedInput:
     """A prepared input queued for a paced model: ``content`` and ``tokens`` as ``Prepared``, with the priority and
-    deadline its batch is claimed with. Equal by content, so equal inputs of a batch are still sent once."""
+    deadline its batch is claimed with, and the tenant it is billed to (None: nobody in particular). Equal by
+    content, so equal inputs of a batch are still sent once (and billed to the first one's tenant)."""
 
-    __slots__ = ("content", "tokens", "priority", "deadline")
+    __slots__ = ("content", "tokens", "priority", "deadline", "tenant")
 
-    def __init__(self, content: Hashable, tokens: int, priority: Priority, deadline: Deadline | None) -> None:
+    def __init__(self, content: Hashable, tokens: int, priority: Priority, deadline: Deadline | None,
+                 tenant: str | None = None) -> None:
         self.content = content
         self.tokens = tokens
         self.priority = priority
         self.deadline = deadline
+        self.tenant = tenant
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PacedInput) and other.content == self.content
