@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
+
+from deployments.named_actor import NamedActor
 
 logger = logging.getLogger("ray.serve")
 
 FLUSH_S = 1.0
 HOUR_S = 3600
-NAMESPACE = "adaptive-embeddings-tenants"
 DEFAULT_TENANT = "default"  # every caller where no keys file names a tenant: in the metrics only, not in the ledger
 
 # What is counted of a tenant's use of a model, in this order. ``tokens`` is what its answers' ``usage`` says (each
@@ -61,29 +62,27 @@ class UsageLedger:
 
 
 class RayUsageLedger:
-    """The application's ``UsageLedger`` actor, created by the first replica (ingress or model) to write to it, and
-    owned by it: a replica that finds it gone makes a new one, empty."""
+    """The application's ``UsageLedger`` actor (``deployments.named_actor``: created by the first replica, ingress or
+    model, to write to it; made again, empty, if it died)."""
 
     def __init__(self) -> None:
-        self._actor: Any = None
+        self._actor: NamedActor | None = None
+
+    def start(self) -> None:
+        """Find or make the ledger now (``NamedActor.start``)."""
+        self._ledger().start()
 
     async def record_usage(self, rows: list[Row]) -> None:
-        await (await self._handle()).record_usage.remote(rows)
+        await self._ledger().call("record_usage", rows)
 
     async def usage(self, start: int, end: int) -> list[Row]:
-        return await (await self._handle()).usage.remote(start, end)
+        return await self._ledger().call("usage", start, end)
 
-    async def _handle(self) -> Any:
-        if self._actor is None:
-            import ray
+    def _ledger(self) -> NamedActor:
+        if self._actor is None:  # the application's name is known once in a replica
             from ray import serve
 
-            name = f"usage:{serve.get_replica_context().app_name}"
-            actor = ray.remote(UsageLedger).options(
-                name=name, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=0, num_cpus=0,
-                max_concurrency=1000).remote()
-            await actor.__ray_ready__.remote()
-            self._actor = actor
+            self._actor = NamedActor(UsageLedger, f"usage:{serve.get_replica_context().app_name}")
         return self._actor
 
 
@@ -150,17 +149,30 @@ class TenantUsage:
 
 class ModelUsage:
     """A model replica's side of its tenants' usage: the tokens its cache answered and those its backend's calls
-    were paid for, each under the tenant it was for."""
+    were paid for, each under the tenant it was for. Its ``TenantUsage`` is made (``make``) on the first count: a
+    replica no tenant of a keys file uses keeps no usage at all."""
 
-    def __init__(self, usage: TenantUsage, model: str) -> None:
-        self._usage = usage
+    def __init__(self, model: str, make: Callable[[], TenantUsage]) -> None:
         self._model = model
+        self._make = make
+        self._usage: TenantUsage | None = None
 
     def cached(self, tenant: str, tokens: int) -> None:
-        self._usage.add(tenant, self._model, CACHED_TOKENS, tokens)
+        self._made().add(tenant, self._model, CACHED_TOKENS, tokens)
 
     def billed(self, tenant: str, tokens: int) -> None:
-        self._usage.add(tenant, self._model, BILLED_TOKENS, tokens)
+        self._made().add(tenant, self._model, BILLED_TOKENS, tokens)
+
+    async def aclose(self) -> None:
+        """Hand on what was counted, and return once it is in the ledger."""
+        if self._usage is not None:
+            self._usage.flush_now()
+            await self._usage.written()
+
+    def _made(self) -> TenantUsage:
+        if self._usage is None:
+            self._usage = self._make()
+        return self._usage
 
 
 class RayTenantUsage(TenantUsage):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Any
+from typing import Any, Mapping
 
 import aiohttp
 import numpy as np
@@ -26,13 +26,13 @@ class UpstreamError(Exception):
 
 class UpstreamClient:
     """``embed(texts)``: one ``POST /v1/embeddings`` call; ``stats``/``reset_stats``: the simulator's counters.
-    ``priority``, when given, goes in this service's ``X-Priority`` header."""
+    ``priority``, when given, goes in this service's ``X-Priority`` header; ``headers`` (an API key) with every call."""
 
     def __init__(self, root_url: str, *, model: str = "sim-embed", connections: int = 256, timeout_s: float = 120.0,
-                 priority: str | None = None):
+                 priority: str | None = None, headers: Mapping[str, str] | None = None):
         self.root_url = root_url.rstrip("/")
         self.model = model
-        self._headers = {"Content-Type": "application/json"}
+        self._headers = {"Content-Type": "application/json", **(headers or {})}
         if priority is not None:
             self._headers["X-Priority"] = priority
         self.calls = 0

@@ -157,12 +157,15 @@ class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  batch: BatchConfig | None = None, relayed: Mapping[str, ProviderBatchConfig] | None = None) -> None:
         api_keys = ApiKeys.from_env()
-        limiter = RayLimiter(serve.get_replica_context().app_name)
+        limiter, ledger = RayLimiter(serve.get_replica_context().app_name), RayUsageLedger()
+        if api_keys.names_tenants:  # their actors start with the replica, not within its first requests
+            limiter.start()
+            ledger.start()
         health = ModelHealth(serve.get_replica_context().app_name,
                              {name: handle.deployment_name for name, handle in models.items()})
         self._api = create_api(models, api_keys=api_keys, max_body_bytes=max_body_bytes,
                                on_resend=ResentRequests(), unavailable=health, batch=batch,
-                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(RayUsageLedger()),
+                               batch_metrics=RayBatchMetrics(), relayed=relayed, usage=RayTenantUsage(ledger),
                                limiter=limiter)
         logger.info("embeddings ingress serving %s; API keys %s",
                     sorted(models), "required" if api_keys.required else "not required")

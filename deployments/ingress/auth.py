@@ -230,6 +230,11 @@ class ApiKeys:
             raise AuthenticationFailed("incorrect API key provided")
         return tenant
 
+    @property
+    def names_tenants(self) -> bool:
+        """Whether the keys name a tenant (other than the default one every key of a plain list is)."""
+        return any(name != DEFAULT_TENANT for name in self._by_name)
+
     def tenant(self, name: str) -> Tenant | None:
         """The tenant named ``name`` as the keys say now (work it left, such as a batch, runs as it is now), or None
         once no key names it; the default tenant is always there."""

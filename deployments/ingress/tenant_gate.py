@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 from deployments.errors import TenantOverBudget, TenantRateLimited
 from deployments.ingress.auth import Tenant, TenantLimits
 from deployments.ingress.tenant_budget import Grant, Remaining, TenantBudgets
-from deployments.usage import NAMESPACE
+from deployments.named_actor import NamedActor
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,29 +53,21 @@ class TenantLimiter:
 
 
 class RayLimiter:
-    """The application's ``TenantLimiter`` actor, created by the first replica to ask (and owned by it: Ray restarts
-    it if its node goes, and a replica that finds it gone makes a new one, with full buckets)."""
+    """The application's ``TenantLimiter`` actor (``deployments.named_actor``: created by the first replica to ask;
+    made again, with full buckets, if it died)."""
 
     def __init__(self, application: str) -> None:
-        self._name = f"tenants:{application}"
-        self._actor: Any = None
+        self._actor = NamedActor(TenantLimiter, f"tenants:{application}")
+
+    def start(self) -> None:
+        """Find or make the budget now (``NamedActor.start``)."""
+        self._actor.start()
 
     async def claim(self, *args: Any) -> Grant:
-        return await (await self._handle()).claim.remote(*args)
+        return await self._actor.call("claim", *args)
 
     async def give_back(self, *args: Any) -> None:
-        await (await self._handle()).give_back.remote(*args)
-
-    async def _handle(self) -> Any:
-        if self._actor is None:
-            import ray
-
-            actor = ray.remote(TenantLimiter).options(
-                name=self._name, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=0,
-                num_cpus=0, max_concurrency=10_000).remote()
-            await actor.__ray_ready__.remote()
-            self._actor = actor
-        return self._actor
+        await self._actor.call("give_back", *args)
 
 
 class Ticket(NamedTuple):

@@ -57,10 +57,7 @@ class EmbeddingModel:
         pacer = make_pacer(model, RayQuotaMetrics() if metrics is None else None, clock)
         if pacer is not None:
             self._backend.on_response = pacer.observe
-        if usage is None:
-            usage = RayTenantUsage(RayUsageLedger()) if metrics is None else TenantUsage()
-        self._usage = usage
-        costs = ModelUsage(usage, model.name)
+        self._costs = costs = ModelUsage(model.name, _usage_maker(usage, in_serve=metrics is None))
         # the path runs one way: the cache (if any) answers what it holds and passes the rest to the batchers
         self._batched = BatchedBackend(model.name, self._backend, model.batcher,
                                        metrics if metrics is not None else RayServeMetrics(), pacer, costs)
@@ -156,8 +153,7 @@ class EmbeddingModel:
         if self._cache is not None:
             await self._cache.aclose()
         await self._backend.aclose()
-        self._usage.flush_now()
-        await self._usage.written()
+        await self._costs.aclose()
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve calls ``__del__`` on replica shutdown (after it stopped routing requests here) and awaits the
@@ -267,6 +263,14 @@ class EmbeddingModel:
         index, error = failures[0]
         more = f" ({len(failures) - 1} more input(s) failed too)" if len(failures) > 1 else ""
         raise _service_error(error, index, more, self._model.name) from None
+
+
+def _usage_maker(usage: TenantUsage | None, in_serve: bool) -> Callable[[], TenantUsage]:
+    """What makes the replica's tenants' usage: ``usage``; else Ray Serve's metrics and the application's ledger where
+    the other sinks are Ray Serve's, or a count that goes nowhere."""
+    if usage is not None:
+        return lambda: usage
+    return (lambda: RayTenantUsage(RayUsageLedger())) if in_serve else TenantUsage
 
 
 def _service_error(error: BaseException, index: int, more: str, model: str) -> ServiceError:

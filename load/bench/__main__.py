@@ -28,6 +28,7 @@ SCENARIOS: dict[str, str] = {
     "quota": "load.bench.quota",
     "batch": "load.bench.batch",
     "tenants": "load.bench.tenants",
+    "tenant-limits": "load.bench.tenant_limits",
 }
 
 
@@ -53,12 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Scenarios that start Ray as a cluster's nodes do, without serve.env (docs/cluster.md): `cluster`,
-# and `quota` on more than one node.
+# and those of ON_NODES on more than one node.
 WITHOUT_SERVE_ENV = {"cluster"}
+ON_NODES = {"quota", "tenant-limits"}
 
 
 def starts_a_cluster(argv: Sequence[str]) -> bool:
-    if argv[:1] == ["quota"]:
+    if argv[:1] and argv[0] in ON_NODES:
         nodes = argparse.ArgumentParser(add_help=False)
         nodes.add_argument("--nodes", type=int, default=1)
         return nodes.parse_known_args(argv[1:])[0].nodes > 1

@@ -6,6 +6,7 @@ replica of the ``openai`` backend pointed at the simulated upstream (its own pro
 (``AdaptiveBatcher``, max_batch 200, max_wait 25 ms, scale_factor 15), ``adaptive-limits`` (the same, with the
 provider's quota in play but far from binding: the entry's ``limits:`` at 10^8 RPM and 10^9 TPM, and its own upstream
 process reporting those limits in its ``x-ratelimit-*`` headers: what the quota costs while it does not bind),
+``adaptive-tenants`` (the same behind a keys file of 1,000 tenants, the load one tenant's, limited far above it),
 ``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched``
 (``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
 interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured
@@ -28,6 +29,7 @@ import signal
 import statistics
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, ContextManager, Sequence
 
 import numpy as np
@@ -48,13 +50,14 @@ from .harness import add_common_arguments
 from .options import chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_BATCHING, SIM_MODEL, UNBATCHED, Target, compare_over_http, sim_model_entry, upstream_totals
-from .shipped_service import packaged_model_path, serve_run
+from .shipped_service import SERVICE_ENV, TENANT_KEY, TENANTS, packaged_model_path, serve_run, write_many_tenants
 from .upstream_process import upstream_config_from, upstream_process
 
 TARGET_ADDED_MS = 2.0
 TARGET_GAIN_OVER_DIRECT = 4.0
 TARGET_LIMITS_COST = 0.03  # adaptive-limits within this share of adaptive's texts/s
 FAR_LIMITS = {"rpm": 10**8, "tpm": 10**9}  # far above any load here: the quota never binds
+TENANTS_VARIANT = "adaptive-tenants"
 CPU_PARTS = ("ingress", "model replica", "the rest")
 
 
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with upstream_process(upstream) as root_url, limited_upstream(upstream) as limited_url, \
             running(gateway(root_url, limited_url), DEFAULT_PEERS_DIR, packaged_model_path()) as started:
         return measure(started.url, root_url, limited_url, upstream, settings, getattr(args, "results_dir", None),
-                       started.pids)
+                       started.pids, tenants=True)
 
 
 def limited_upstream(upstream: UpstreamConfig) -> ContextManager[str]:
@@ -119,16 +122,22 @@ def limited_upstream(upstream: UpstreamConfig) -> ContextManager[str]:
     return upstream_process(dataclasses.replace(upstream, **FAR_LIMITS))
 
 
-def applications(root_url: str, limited_url: str) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
+def applications(root_url: str, limited_url: str,
+                 tenants_keys: Path | None = None) -> dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, Any]]]:
     """Each variant, by route prefix: its application builder and the builder's args (every model on the upstream at
-    ``root_url``, but adaptive-limits', on the one at ``limited_url``)."""
+    ``root_url``, but adaptive-limits', on the one at ``limited_url``); with ``tenants_keys`` (a keys file of
+    ``write_many_tenants``), adaptive-tenants too: adaptive behind that keys file."""
     base_url = f"{root_url}/v1"
-    return {
+    variants = {
         "adaptive": (build_app, {"models": [sim_model_entry(base_url)]}),
         "adaptive-limits": (build_app, {"models": [{**sim_model_entry(f"{limited_url}/v1"), "limits": FAR_LIMITS}]}),
         "serve-batch": (serve_batch_app, {"models": [sim_model_entry(base_url)]}),
         "unbatched": (build_app, {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
     }
+    if tenants_keys is not None:
+        variants[TENANTS_VARIANT] = (build_app, {"models": [sim_model_entry(base_url)], "ingress": {
+            "env_vars": {"EMBEDDINGS_API_KEYS_FILE": str(tenants_keys)}}})
+    return variants
 
 
 def built_applications(root_url: str, limited_url: str) -> dict[str, Any]:
@@ -144,27 +153,32 @@ def serve_batch_app(args: dict[str, Any]) -> Any:
 
 
 def gateway(root_url: str, limited_url: str) -> Server:
-    """The variants in one ``serve run``, their model on the upstreams at ``root_url`` and ``limited_url``."""
+    """The variants in one ``serve run``, their model on the upstreams at ``root_url`` and ``limited_url``, and a
+    keys file of ``TENANTS`` tenants in the service's temp dir for adaptive-tenants."""
+    keys = write_many_tenants(Path(SERVICE_ENV["RAY_TMPDIR"]) / "e2e-tenants.yaml")
     config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8000},
               "applications": [{"name": label, "route_prefix": f"/{label}",
                                 "import_path": f"{builder.__module__}:{builder.__name__}", "args": args}
-                               for label, (builder, args) in applications(root_url, limited_url).items()]}
+                               for label, (builder, args) in applications(root_url, limited_url, keys).items()]}
     return Server("e2e-service", serve_run(config, "e2e"), SIM_BATCHING, route="/adaptive/v1/embeddings",
                   health="/adaptive/healthz", stop_signal=signal.SIGINT, model=SIM_MODEL)
 
 
 def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig, settings: Settings,
-            results_dir: Any = None, pids: Callable[[], list[int]] | None = None) -> dict[str, Any]:
-    """The scenario on the variants served under ``url`` (``/<label>`` each) and the upstreams at ``root_url`` and
-    ``limited_url`` (``limited_upstream``'s). A
+            results_dir: Any = None, pids: Callable[[], list[int]] | None = None,
+            tenants: bool = False) -> dict[str, Any]:
+    """The scenario on the variants served under ``url`` (``/<label>`` each; adaptive-tenants too with ``tenants``)
+    and the upstreams at ``root_url`` and ``limited_url`` (``limited_upstream``'s). A
     variant's mean batch is the texts per upstream call during its runs (the variants take turns); with the
     service's ``pids()``, its processes' CPU a request."""
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
+    labels = [*applications(root_url, limited_url), *([TENANTS_VARIANT] if tenants else [])]
     targets = [Target(label, f"{url}/{label}",
-                      partial(upstream_totals, limited_url if label == "adaptive-limits" else root_url))
-               for label in applications(root_url, limited_url)]
+                      partial(upstream_totals, limited_url if label == "adaptive-limits" else root_url),
+                      {"Authorization": f"Bearer {TENANT_KEY}"} if label == TENANTS_VARIANT else {})
+               for label in labels]
     runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim,
                                          pids))
     rows = summarise(runs)
@@ -177,6 +191,7 @@ def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig,
     top = rows[str(settings.levels[-1][0])]
     gain = top["adaptive"]["items_per_s"] / top["direct"]["items_per_s"]
     limits_cost = 1 - top["adaptive-limits"]["items_per_s"] / top["adaptive"]["items_per_s"]
+    tenants_cost = 1 - top[TENANTS_VARIANT]["items_per_s"] / top["adaptive"]["items_per_s"] if tenants else None
     data = {
         "settings": asdict(settings),
         "upstream": asdict(upstream),
@@ -189,6 +204,7 @@ def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig,
         "target_gain": {"gain": gain, "needed": TARGET_GAIN_OVER_DIRECT, "met": gain >= TARGET_GAIN_OVER_DIRECT},
         "target_limits_cost": {"cost": limits_cost, "allowed": TARGET_LIMITS_COST,
                                "met": limits_cost <= TARGET_LIMITS_COST},
+        "tenants_cost": tenants_cost,
         "runs": runs,
     }
     return write_report("e2e", "End to end through Ray Serve: adaptive vs @serve.batch",
@@ -230,6 +246,13 @@ def service_cpu(label: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {key: statistics.median(p[key] for p in parts) for key in parts[0]} if parts else {}
 
 
+def _tenants_line(cost: float | None) -> str:
+    if cost is None:
+        return ""
+    return (f" A keys file of {TENANTS:,} tenants, the load one tenant's, limited far above it (adaptive-tenants), "
+            f"costs {100 * cost:.1f}% of adaptive's texts/s there.")
+
+
 def render(settings: Settings, upstream: UpstreamConfig, direct: dict[str, Any], rows: dict[str, Any],
            data: dict[str, Any]) -> str:
     def fmt(value: float | None, digits: int = 1) -> str:
@@ -258,7 +281,7 @@ Upstream in its own process: base {upstream.base_latency_ms:g} ms + {upstream.pe
 {upstream.jitter:g}, provider concurrency {upstream.max_concurrency}. The upstream alone (one caller, one text per \
 call): P50 {fmt(direct[settings.levels[0][0]]['p50_ms'])} ms. `direct`: as many clients calling the upstream \
 themselves, one text per call. `mean batch`: texts per upstream call during the variant's runs. \
-The three variants run in one `serve run` with `serve.env` (HAProxy in front), the load from a separate process.
+The variants run in one `serve run` with `serve.env` (HAProxy in front), the load from a separate process.
 
 {table}
 
@@ -267,7 +290,8 @@ At concurrency {settings.levels[0][0]}, over the unbatched service path (P50): a
 {TARGET_ADDED_MS:g} ms): {verdict}. At concurrency {top}, the service serves {gain['gain']:.2f}× the texts/s of the \
 direct clients (target ≥ {TARGET_GAIN_OVER_DIRECT:g}×): {"met" if gain["met"] else "**not met**"}. The quota far \
 from binding (adaptive-limits) costs {100 * data['target_limits_cost']['cost']:.1f}% of adaptive's texts/s there \
-(target ≤ {100 * TARGET_LIMITS_COST:g}%): {"met" if data['target_limits_cost']['met'] else "**not met**"}.
+(target ≤ {100 * TARGET_LIMITS_COST:g}%): {"met" if data['target_limits_cost']['met'] else "**not met**"}.\
+{_tenants_line(data["tenants_cost"])}
 
 The service's CPU ms a request (each process's CPU time over a variant's runs, from /proc, by the texts it served;
 medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants).

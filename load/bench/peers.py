@@ -35,9 +35,9 @@ from . import engine_limit
 from .harness import code_version, rotated, version_line
 from .options import chosen_settings
 from .report import markdown_table, write_report
-from .shipped_service import MODEL, SERVICE, packaged_model_path
+from .shipped_service import MODEL, SERVICE, SERVICE_WITH_TENANTS, packaged_model_path
 
-SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS}
+SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS, SERVICE_WITH_TENANTS.name: SERVICE_WITH_TENANTS}
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class TargetClient(UpstreamClient):
     """``UpstreamClient`` (one aiohttp session) aimed at any server's embeddings route, in either encoding."""
 
     def __init__(self, target: Target) -> None:
-        super().__init__(target.url, model=MODEL)
-        self._headers.update(target.headers)
+        super().__init__(target.url, model=MODEL, headers=target.headers)
         self.target = target
 
     async def embed(self, texts: list[str]) -> list[np.ndarray]:
@@ -132,7 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for server in rotated(servers, repeat):
             print(f"[{repeat + 1}/{settings.repeats}] {server.name} ...", flush=True)
             with running(server, args.peers_dir, model) as started:
-                target = Target(server.name, started.url, server.route, server.encoding, pids=started.pids)
+                target = Target(server.name, started.url, server.route, server.encoding,
+                                headers=dict(server.probe_headers), pids=started.pids)
                 runs[server.name] += measure([target], settings, reference)[server.name]
     return report(runs, about, settings, getattr(args, "results_dir", None), limits)
 

@@ -9,7 +9,7 @@ import copy
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -149,6 +149,7 @@ class Target:
     label: str
     url: str
     batch_totals: Callable[[], Awaitable[tuple[int, int]]]
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with every request (an API key)
 
 
 async def compare_over_http(
@@ -162,7 +163,7 @@ async def compare_over_http(
     during a run is that target's, with the idle others' background)."""
     meter = CpuMeter(pids)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {t.label: {c: [] for c, _ in levels} for t in targets}
-    clients = {t.label: UpstreamClient(t.url, model=model) for t in targets}
+    clients = {t.label: UpstreamClient(t.url, model=model, headers=t.headers) for t in targets}
     for client in clients.values():
         await client.__aenter__()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -43,16 +43,57 @@ def serve_run(config: dict[str, Any], name: str) -> Callable[[Path, int, Path], 
     return launch
 
 
+TENANTS = 1_000  # in a keys file of many tenants
+TENANT_KEY = "sk-bench-tenant-0"  # the key the load sends: one tenant's of that file, limited far above any load
+
+
+def write_keys_file(path: Path, tenants: Mapping[str, tuple[str, str]]) -> Path:
+    """A keys file at ``path``: each tenant by name, with one key and its other settings (YAML flow-mapping entries
+    such as ``"rpm: 600"``, or ``""``)."""
+    from deployments.ingress.auth import key_hash
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("tenants:\n" + "".join(f"  {name}: {{keys: [{key_hash(key)}]{', ' + settings if settings else ''}}}\n"
+                                           for name, (key, settings) in tenants.items()))
+    return path
+
+
+def write_many_tenants(path: Path) -> Path:
+    """A keys file of ``TENANTS`` tenants at ``path``, each with a key (``TENANT_KEY`` the first's), limits far above
+    any load and a weight."""
+    return write_keys_file(path, {f"team-{number}": (f"sk-bench-tenant-{number}", "rpm: 1000000, tpm: 1000000000, "
+                                                     f"tokens_per_day: 1000000000000, weight: {1 + number % 3}")
+                                  for number in range(TENANTS)})
+
+
+def _with_tenants(config: dict[str, Any]) -> Callable[[Path, int, Path], Launch]:
+    """``serve_run`` of ``config`` with ``write_many_tenants``' keys file, named as a user names it:
+    ``EMBEDDINGS_API_KEYS_FILE`` in the application's ``runtime_env``."""
+    start = serve_run(config, "serve_config_tenants")
+
+    def launch(bin_dir: Path, port: int, model: Path) -> Launch:
+        keys = write_many_tenants(Path(SERVICE_ENV["RAY_TMPDIR"]) / "tenants.yaml")
+        for app in config["applications"]:
+            app.setdefault("runtime_env", {}).setdefault("env_vars", {})["EMBEDDINGS_API_KEYS_FILE"] = str(keys)
+        return start(bin_dir, port, model)
+
+    return launch
+
+
 def _service_batching() -> dict[str, Any]:
     model = default_models()[0]
     return {**model.get("batching", {}), "autoscaling": {key: model["autoscaling"][key]
                                                          for key in ("min_replicas", "max_replicas")}}
 
 
+_KEY_PACKAGES = ("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers", "fastapi", "uvicorn")
 SERVICE = Server("service", serve_run(yaml.safe_load(SERVE_CONFIG.read_text()), "serve_config"), _service_batching(),
-                 health="/healthz", stop_signal=signal.SIGINT,
-                 key_packages=("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers",
-                               "fastapi", "uvicorn"))
+                 health="/healthz", stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES)
+# The same, one tenant of a keys file of a thousand sending the load (issue #43: a keys file costs nothing).
+SERVICE_WITH_TENANTS = Server("service-1000-tenants", _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())),
+                              _service_batching(), health="/healthz", stop_signal=signal.SIGINT,
+                              key_packages=_KEY_PACKAGES,
+                              probe_headers=(("Authorization", f"Bearer {TENANT_KEY}"),))
 
 
 def packaged_model_path() -> Path:

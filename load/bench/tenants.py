@@ -32,7 +32,6 @@ from typing import Any
 
 import aiohttp
 
-from deployments.ingress.auth import key_hash
 from deployments.usage import FLUSH_S
 from load.loadgen import send_open_loop
 from load.peers.launch import DEFAULT_PEERS_DIR, Server, running
@@ -44,7 +43,7 @@ from .backlog import Answer, post, summary
 from .options import add_settings_arguments, chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_BATCHING, SIM_MODEL, sim_model_entry
-from .shipped_service import packaged_model_path, serve_run
+from .shipped_service import packaged_model_path, serve_run, write_keys_file
 from .upstream_process import upstream_process
 
 TARGET_P99_RATIO = 1.5
@@ -78,10 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
     with upstream_process(UpstreamConfig()) as root_url, tempfile.TemporaryDirectory() as work:
-        keys = Path(work) / "keys.yaml"
-        keys.write_text("tenants:\n" + "".join(f"  {name}: {{keys: [{key_hash(key)}]}}\n"
-                                               for name, key in KEYS.items())
-                        + f"  finance: {{keys: [{key_hash(ADMIN_KEY)}], admin: true, models: []}}\n")
+        keys = write_keys_file(Path(work) / "keys.yaml", {**{name: (key, "") for name, key in KEYS.items()},
+                                                         "finance": (ADMIN_KEY, "admin: true, models: []")})
         server = gateway(root_url, keys, settings, Path(work) / "cache")
         with running(server, DEFAULT_PEERS_DIR, packaged_model_path()) as started:
             data = asyncio.run(_runs(started.url, settings))
