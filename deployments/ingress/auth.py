@@ -68,6 +68,10 @@ class TenantLimits:
     tokens_per_month: int | None = None
 
     def __bool__(self) -> bool:
+        return self._any
+
+    @functools.cached_property
+    def _any(self) -> bool:  # asked for every request of a tenant: worked out once
         return self != NO_LIMITS
 
     def buckets(self, model: str) -> list[tuple[str, str, int]]:

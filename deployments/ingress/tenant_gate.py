@@ -86,6 +86,13 @@ class _Allowance:
     spent: list[int] = field(default_factory=lambda: [0, 0])  # requests and tokens since it last asked
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def spend(self, tokens: int, now: float) -> None:
+        self.requests -= 1
+        self.tokens -= tokens
+        self.spent[0] += 1
+        self.spent[1] += tokens
+        self.used_at = now
+
 
 class TenantGate:
     def __init__(self, limiter: Limiter, clock: Callable[[], float] = time.monotonic) -> None:
@@ -106,16 +113,17 @@ class TenantGate:
         self._sweep(now)
         key = (tenant.name, model)
         self._limits[key] = tenant.limits
-        held = self._held.setdefault(key, _Allowance(asked_at=now))
-        tokens = sum(len(item) for item in inputs)  # at least its tokens, for text as for token ids
-        async with held.lock:
-            if held.requests < 1 or held.tokens < tokens:
-                await self._ask(tenant, model, held, tokens, now)
-            held.requests -= 1
-            held.tokens -= tokens
-            held.spent[0] += 1
-            held.spent[1] += tokens
-            held.used_at = now
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = _Allowance(asked_at=now)
+        tokens = sum(map(len, inputs))  # at least its tokens, for text as for token ids
+        if held.lock.locked() or held.requests < 1 or held.tokens < tokens:  # behind whoever is asking, or ask
+            async with held.lock:
+                if held.requests < 1 or held.tokens < tokens:
+                    await self._ask(tenant, model, held, tokens, now)
+                held.spend(tokens, now)
+        else:  # what the replica holds covers it: nothing to wait for
+            held.spend(tokens, now)
         return Ticket(key, tokens)
 
     def settle(self, ticket: Ticket | None, tokens: int) -> None:
