@@ -35,9 +35,9 @@ from . import engine_limit
 from .harness import code_version, rotated, version_line
 from .options import chosen_settings
 from .report import markdown_table, write_report
-from .shipped_service import MODEL, SERVICE, SERVICE_WITH_TENANTS, packaged_model_path
+from .shipped_service import MODEL, SERVICE, SERVICES_WITH_TENANTS, packaged_model_path
 
-SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS, SERVICE_WITH_TENANTS.name: SERVICE_WITH_TENANTS}
+SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS, **{server.name: server for server in SERVICES_WITH_TENANTS}}
 
 
 @dataclass(frozen=True)

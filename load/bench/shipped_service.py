@@ -45,6 +45,7 @@ def serve_run(config: dict[str, Any], name: str) -> Callable[[Path, int, Path], 
 
 TENANTS = 1_000  # in a keys file of many tenants
 TENANT_KEY = "sk-bench-tenant-0"  # the key the load sends: one tenant's of that file, limited far above any load
+UNLIMITED_TENANT_KEY = "sk-bench-tenant-1"  # or this one's, a tenant of the same file with no limits
 
 
 def write_keys_file(path: Path, tenants: Mapping[str, tuple[str, str]]) -> Path:
@@ -60,9 +61,10 @@ def write_keys_file(path: Path, tenants: Mapping[str, tuple[str, str]]) -> Path:
 
 def write_many_tenants(path: Path) -> Path:
     """A keys file of ``TENANTS`` tenants at ``path``, each with a key (``TENANT_KEY`` the first's), limits far above
-    any load and a weight."""
-    return write_keys_file(path, {f"team-{number}": (f"sk-bench-tenant-{number}", "rpm: 1000000, tpm: 1000000000, "
-                                                     f"tokens_per_day: 1000000000000, weight: {1 + number % 3}")
+    any load (but ``UNLIMITED_TENANT_KEY``'s) and a weight."""
+    limits = "rpm: 1000000, tpm: 1000000000, tokens_per_day: 1000000000000, "
+    return write_keys_file(path, {f"team-{number}": (f"sk-bench-tenant-{number}",
+                                                     f"{limits if number != 1 else ''}weight: {1 + number % 3}")
                                   for number in range(TENANTS)})
 
 
@@ -89,11 +91,12 @@ def _service_batching() -> dict[str, Any]:
 _KEY_PACKAGES = ("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers", "fastapi", "uvicorn")
 SERVICE = Server("service", serve_run(yaml.safe_load(SERVE_CONFIG.read_text()), "serve_config"), _service_batching(),
                  health="/healthz", stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES)
-# The same, one tenant of a keys file of a thousand sending the load (issue #43: a keys file costs nothing).
-SERVICE_WITH_TENANTS = Server("service-1000-tenants", _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())),
-                              _service_batching(), health="/healthz", stop_signal=signal.SIGINT,
-                              key_packages=_KEY_PACKAGES,
-                              probe_headers=(("Authorization", f"Bearer {TENANT_KEY}"),))
+# The same, one tenant of a keys file of a thousand sending the load (issue #43: a keys file costs nothing): one
+# limited far above it, or one with no limits.
+SERVICES_WITH_TENANTS = [
+    Server(name, _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())), _service_batching(), health="/healthz",
+           stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES, probe_headers=(("Authorization", f"Bearer {key}"),))
+    for name, key in (("service-1000-tenants", TENANT_KEY), ("service-1000-tenants-unlimited", UNLIMITED_TENANT_KEY))]
 
 
 def packaged_model_path() -> Path:
