@@ -76,6 +76,7 @@ def test_each_tenants_billed_tokens_add_up_to_the_providers_bill_and_its_cached_
             usage = http.get("/v1/organization/usage/embeddings",
                              params={"start_time": int(time.time()) // 86_400 * 86_400, "group_by": "project_id"},
                              headers={"Authorization": f"Bearer {KEYS['finance']}"}).json()
+            http.portal.call(handle.model.aclose)  # its disk cache's writer process ends with it
         billed_upstream = upstream.stats()["tokens_billed"]
     bill = {result["project_id"]: result for bucket in usage["data"] for result in bucket["results"]}
     assert set(bill) == {"search", "indexer"}

@@ -25,7 +25,7 @@ from deployments.config import ProviderBatchConfig
 from deployments.errors import ServiceError
 from deployments.ingress import schemas
 from deployments.ingress.batch import lines
-from deployments.ingress.batch.store import LINES_PER_TURN, OWNER, BatchStore
+from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore, owner_of
 from deployments.usage import DEFAULT_TENANT
 
 logger = logging.getLogger("ray.serve")
@@ -136,7 +136,7 @@ class BatchRelay:
     async def _finish_parts(self, batch: dict[str, Any], state: dict[str, Any], running: Callable[[], bool]) -> None:
         """Submit and poll the round's parts until each is final, saving the state at every change."""
         batch_id = batch["id"]
-        owner = batch.get(OWNER, DEFAULT_TENANT)
+        owner = owner_of(batch)
         tenant = None if owner == DEFAULT_TENANT else owner  # whose bill the provider's batches are on
         while True:
             open_parts = [part for part in state["parts"] if part["status"] is None]

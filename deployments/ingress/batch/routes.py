@@ -21,8 +21,7 @@ from deployments.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound
 from deployments.ingress.auth import ApiKeys, Tenant
 from deployments.ingress.batch.lines import ENDPOINT
 from deployments.ingress.batch.runner import ACTIVE, WINDOW_S
-from deployments.ingress.batch.store import OWNER, BatchStore, TooLarge, new_id
-from deployments.usage import DEFAULT_TENANT
+from deployments.ingress.batch.store import OWNER, BatchStore, TooLarge, new_id, owner_of
 
 PURPOSE = "batch"  # the one purpose of an uploaded file this service has a use for
 MULTIPART_SLACK_BYTES = 64 * 1024  # a multipart body's own bytes beside the file's
@@ -171,7 +170,7 @@ class BatchRoutes:
 
 
 def _owns(tenant: Tenant, record: dict[str, Any]) -> bool:
-    return record.get(OWNER, DEFAULT_TENANT) == tenant.name
+    return owner_of(record) == tenant.name
 
 
 def _shown(record: dict[str, Any]) -> dict[str, Any]:

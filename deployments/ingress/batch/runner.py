@@ -30,8 +30,7 @@ from deployments.config import BatchConfig
 from deployments.errors import NotCached, RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed
 from deployments.ingress.batch import lines
 from deployments.ingress.batch.relay import BatchRelay
-from deployments.ingress.batch.store import LINES_PER_TURN, OWNER, BatchStore
-from deployments.usage import DEFAULT_TENANT
+from deployments.ingress.batch.store import LINES_PER_TURN, BatchStore, owner_of
 
 logger = logging.getLogger("ray.serve")
 
@@ -252,7 +251,7 @@ class BatchRunner:
 
     async def _send(self, batch: dict[str, Any], index: int, request: lines.Request, outcomes: dict[int, bool],
                     final: bool) -> None:
-        batch_id, owner = batch["id"], batch.get(OWNER, DEFAULT_TENANT)
+        batch_id, owner = batch["id"], owner_of(batch)
         unavailable = 0
         relayed = self._relay is not None and self._relay.relays(request.model)
         while True:
@@ -312,7 +311,7 @@ class BatchRunner:
             if chosen:
                 written = await self._store.add_file_lines(f"file-{batch_id}-{kind}", f"{batch_id}_{kind}.jsonl",
                                                            "batch_output", self._store.journal_lines(batch_id, chosen),
-                                                           batch.get(OWNER, DEFAULT_TENANT))
+                                                           owner_of(batch))
                 files[kind] = written["id"]
         now = self._store.now()
         final = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),

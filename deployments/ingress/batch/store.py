@@ -46,6 +46,11 @@ class TooLarge(Exception):
     """An upload past the store's byte limit (nothing of it is kept)."""
 
 
+def owner_of(record: dict[str, Any]) -> str:
+    """The tenant a file or batch is of (one made before tenants were kept: the default tenant's)."""
+    return record.get(OWNER, DEFAULT_TENANT)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 

@@ -63,6 +63,7 @@ class EmbeddingCache:
         found: dict[str, Outcome] = dict(hits)
         saved = list(hits)
         pending = [key for key in inputs if key not in joined and key not in found]
+        counted = share is not None and self._usage is not None  # a tenant's: its cached tokens are counted
         computed: set[str] = set()
         while pending or joined:
             led, also_joined = self._flights.claim(pending, priority)
@@ -70,7 +71,8 @@ class EmbeddingCache:
             if led:
                 outcomes = await self._compute(led, inputs, dimensions, priority, deadline, share)
                 found.update(outcomes)
-                computed.update(outcomes)
+                if counted:
+                    computed.update(outcomes)
             settled, pending = await self._wait_for(joined, deadline)
             found.update(settled)
             saved += [key for key, outcome in settled.items() if isinstance(outcome, np.ndarray)]
@@ -78,8 +80,8 @@ class EmbeddingCache:
         self._metrics.looked_up(self._name, "joined", len(saved) - len(hits))
         self._metrics.saved(self._name, len(saved), sum(inputs[key].tokens for key in saved))
         answers = [found[key] for key in request_keys]
-        if share is not None and self._usage is not None:
-            self._count_cached(share.key, prepared, request_keys, answers, computed)
+        if counted:
+            self._count_cached(share.key, prepared, request_keys, answers, computed)  # type: ignore[union-attr]
         return answers
 
     async def cached(self, prepared: Sequence[Prepared], *, dimensions: int | None) -> list[Outcome]:
