@@ -1,12 +1,13 @@
 """Over HTTP through Ray Serve (ingress → model deployment → simulated upstream): this batcher vs ``@serve.batch``.
 
-Three copies of the application run side by side in one ``serve run`` (``serve.env``, as the README's run command
+The variants run side by side in one ``serve run`` (``serve.env``, as the README's run command
 starts the service; the load comes from this process, which is not part of the Ray cluster), each with one model
 replica of the ``openai`` backend pointed at the simulated upstream (its own process): ``adaptive``
 (``AdaptiveBatcher``, max_batch 200, max_wait 25 ms, scale_factor 15), ``adaptive-limits`` (the same, with the
 provider's quota in play but far from binding: the entry's ``limits:`` at 10^8 RPM and 10^9 TPM, and its own upstream
 process reporting those limits in its ``x-ratelimit-*`` headers: what the quota costs while it does not bind),
-``adaptive-tenants`` (the same behind a keys file of 1,000 tenants, the load one tenant's, limited far above it),
+``adaptive-tenants`` (the same behind a keys file of 1,000 tenants, the load one tenant's, limited far above it;
+``adaptive-tenants-unlimited``: the same application, the load a tenant's with no limits),
 ``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched``
 (``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
 interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured
@@ -50,7 +51,8 @@ from .harness import add_common_arguments
 from .options import chosen_settings
 from .report import markdown_table, write_report
 from .serving import SIM_BATCHING, SIM_MODEL, UNBATCHED, Target, compare_over_http, sim_model_entry, upstream_totals
-from .shipped_service import SERVICE_ENV, TENANT_KEY, TENANTS, packaged_model_path, serve_run, write_many_tenants
+from .shipped_service import (SERVICE_ENV, TENANT_KEY, TENANTS, UNLIMITED_TENANT_KEY, packaged_model_path, serve_run,
+                              write_many_tenants)
 from .upstream_process import upstream_config_from, upstream_process
 
 TARGET_ADDED_MS = 2.0
@@ -58,6 +60,8 @@ TARGET_GAIN_OVER_DIRECT = 4.0
 TARGET_LIMITS_COST = 0.03  # adaptive-limits within this share of adaptive's texts/s
 FAR_LIMITS = {"rpm": 10**8, "tpm": 10**9}  # far above any load here: the quota never binds
 TENANTS_VARIANT = "adaptive-tenants"
+# The load of each tenants' variant: the key it sends, to the one application behind the keys file
+TENANT_LOADS = {TENANTS_VARIANT: TENANT_KEY, f"{TENANTS_VARIANT}-unlimited": UNLIMITED_TENANT_KEY}
 CPU_PARTS = ("ingress", "model replica", "the rest")
 
 
@@ -174,14 +178,15 @@ def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig,
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     direct = {concurrency: asyncio.run(upstream_direct(root_url, texts[:count], concurrency, upstream.dim))
               for concurrency, count in settings.levels}
-    labels = [*applications(root_url, limited_url), *([TENANTS_VARIANT] if tenants else [])]
-    targets = [Target(label, f"{url}/{label}",
+    served = {label: label for label in applications(root_url, limited_url)}  # variant -> its application
+    served.update({label: TENANTS_VARIANT for label in TENANT_LOADS} if tenants else {})
+    targets = [Target(label, f"{url}/{app}",
                       partial(upstream_totals, limited_url if label == "adaptive-limits" else root_url),
-                      {"Authorization": f"Bearer {TENANT_KEY}"} if label == TENANTS_VARIANT else {})
-               for label in labels]
+                      {"Authorization": f"Bearer {TENANT_LOADS[label]}"} if label in TENANT_LOADS else {})
+               for label, app in served.items()]
     runs = asyncio.run(compare_over_http(targets, SIM_MODEL, texts, settings.levels, settings.repeats, upstream.dim,
                                          pids))
-    rows = summarise(runs)
+    rows = summarise(runs, served)
     for concurrency, summary in direct.items():
         rows[str(concurrency)]["direct"] = {"items_per_s": summary["items_per_s"], "p50_ms": summary["p50_ms"],
                                             "p99_ms": summary["p99_ms"], "mean_batch_size": 1.0,
@@ -191,7 +196,8 @@ def measure(url: str, root_url: str, limited_url: str, upstream: UpstreamConfig,
     top = rows[str(settings.levels[-1][0])]
     gain = top["adaptive"]["items_per_s"] / top["direct"]["items_per_s"]
     limits_cost = 1 - top["adaptive-limits"]["items_per_s"] / top["adaptive"]["items_per_s"]
-    tenants_cost = 1 - top[TENANTS_VARIANT]["items_per_s"] / top["adaptive"]["items_per_s"] if tenants else None
+    tenants_cost = {label: 1 - top[label]["items_per_s"] / top["adaptive"]["items_per_s"]
+                    for label in TENANT_LOADS} if tenants else None
     data = {
         "settings": asdict(settings),
         "upstream": asdict(upstream),
@@ -217,7 +223,8 @@ async def upstream_direct(root_url: str, texts: Sequence[str], concurrency: int,
         return check(await closed_loop(client.embed_one, texts, concurrency), texts, dim).summary()
 
 
-def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]], served: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Medians by concurrency and variant; ``served``: each variant's application (whose processes' CPU is its)."""
     rows = {}
     for concurrency in runs["adaptive"]:
         rows[str(concurrency)] = {
@@ -226,31 +233,32 @@ def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dic
                    for key in ("items_per_s", "p50_ms", "p99_ms", "mean_batch_size")},
                 "errors": sum(r["errors"] for r in runs[label][concurrency]),
                 "mismatches": sum(r["mismatches"] for r in runs[label][concurrency]),
-                "cpu_ms_per_request": service_cpu(label, runs[label][concurrency]),
+                "cpu_ms_per_request": service_cpu(served[label], runs[label][concurrency]),
             }
             for label in runs
         }
     return rows
 
 
-def service_cpu(label: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """The service's CPU ms a request over ``label``'s runs (medians): its ingress, its model replica, and the rest of
-    the service (HAProxy, Ray's own processes, the idle variants)."""
+def service_cpu(app: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The service's CPU ms a request over a variant's runs (medians): its application ``app``'s ingress and model
+    replica, and the rest of the service (HAProxy, Ray's own processes, the idle variants)."""
     def part(run: dict[str, Any]) -> dict[str, float]:
         cpu = run.get("cpu_ms_per_request", {})
-        ingress = sum(ms for group, ms in cpu.items() if group.endswith(f":{label}:EmbeddingsIngress"))
-        model = sum(ms for group, ms in cpu.items() if f"ServeReplica:{label}:" in group) - ingress
+        ingress = sum(ms for group, ms in cpu.items() if group.endswith(f":{app}:EmbeddingsIngress"))
+        model = sum(ms for group, ms in cpu.items() if f"ServeReplica:{app}:" in group) - ingress
         return {"ingress": ingress, "model replica": model, "the rest": sum(cpu.values()) - ingress - model}
 
     parts = [part(run) for run in runs if run.get("cpu_ms_per_request")]
     return {key: statistics.median(p[key] for p in parts) for key in parts[0]} if parts else {}
 
 
-def _tenants_line(cost: float | None) -> str:
+def _tenants_line(cost: dict[str, float] | None) -> str:
     if cost is None:
         return ""
-    return (f" A keys file of {TENANTS:,} tenants, the load one tenant's, limited far above it (adaptive-tenants), "
-            f"costs {100 * cost:.1f}% of adaptive's texts/s there.")
+    return (f" A keys file of {TENANTS:,} tenants costs {100 * cost[TENANTS_VARIANT]:.1f}% of adaptive's texts/s there "
+            f"with the load one tenant's limited far above it (adaptive-tenants), "
+            f"{100 * cost[f'{TENANTS_VARIANT}-unlimited']:.1f}% with the load an unlimited tenant's.")
 
 
 def render(settings: Settings, upstream: UpstreamConfig, direct: dict[str, Any], rows: dict[str, Any],
