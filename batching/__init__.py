@@ -1,6 +1,6 @@
 """Adaptive batching for asyncio: merge concurrent calls into batches whose wait grows with queue depth."""
 
-from .batcher import AdaptiveBatcher
+from .batcher import AdaptiveBatcher, batch_priority
 from .config import BatcherConfig, Priority
 from .decorator import adaptive_batch, batch_options
 from .errors import (BatcherClosed, BatcherError, BatchResultMismatch, DeadlineExceeded, ItemTooLarge, NeverFits,
@@ -30,5 +30,6 @@ __all__ = [
     "adaptive_batch",
     "batch",
     "batch_options",
+    "batch_priority",
     "is_retryable",
 ]

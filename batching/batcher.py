@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
+from contextvars import ContextVar
 from typing import Any, Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
 
 from .admission import Admission, DrainRate
@@ -35,6 +36,15 @@ BatchCostFn = Callable[[list[P]], float]
 logger = logging.getLogger(__name__)
 
 _NO_METRICS = BatcherMetrics()
+
+_BATCH_PRIORITY: ContextVar[Priority | None] = ContextVar("batch_priority", default=None)
+
+
+def batch_priority() -> Priority | None:
+    """The priority of the batch whose process call is running here (in the process function and whatever it
+    awaits); None outside one. A batch is taken from one priority's queue, so this is every item's priority: a
+    process function may let a LOW batch's work yield to others' with it."""
+    return _BATCH_PRIORITY.get()
 
 
 class _BatchTimedOut(TimeoutError):
@@ -342,6 +352,7 @@ class AdaptiveBatcher(Generic[P, R]):
     # ---- running a batch ----------------------------------------------------------------------------------------
 
     async def _run_batch(self, items: list[Item]) -> None:
+        _BATCH_PRIORITY.set(items[0].priority)  # this task's own context: no other batch sees it
         try:
             retries = await self._attempt(items)
         except BaseException as exc:

@@ -9,7 +9,8 @@ from typing import Awaitable, Sequence
 
 import numpy as np
 
-from batching import AdaptiveBatcher, BatcherClosed, BatcherConfig, BatcherMetrics, BatcherStats, Priority
+from batching import (AdaptiveBatcher, BatcherClosed, BatcherConfig, BatcherMetrics, BatcherStats, Priority,
+                      batch_priority)
 from deployments.model.backends import EmbeddingBackend, Prepared
 from deployments.model.quota import PacedInput, QuotaPacer
 from deployments.model.stage import Outcome
@@ -74,7 +75,8 @@ class BatchedBackend:
 
             async def process(payloads: list[Prepared]) -> Sequence[np.ndarray | BaseException]:
                 def send() -> Awaitable[Sequence[np.ndarray | BaseException]]:
-                    return backend.embed([payload.content for payload in payloads], dimensions)
+                    return backend.embed([payload.content for payload in payloads], dimensions,
+                                         background=batch_priority() is Priority.LOW)
 
                 if pacer is None:
                     return await send()

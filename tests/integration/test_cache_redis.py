@@ -92,9 +92,9 @@ async def test_the_servers_maxmemory_bounds_the_bytes(small_server: RedisServer)
 class SlowBackend(FakeBackend):
     """Each call takes a while, so requests are in flight when the store dies."""
 
-    async def embed(self, items: Sequence, dimensions: int | None = None) -> list:
+    async def embed(self, items: Sequence, dimensions: int | None = None, background: bool = False) -> list:
         await asyncio.sleep(0.02)
-        return await super().embed(items, dimensions)
+        return await super().embed(items, dimensions, background)
 
 
 async def test_redis_killed_while_requests_are_in_flight_costs_no_request(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from batching import AdaptiveBatcher, BatcherConfig, Priority
+from batching import AdaptiveBatcher, BatcherConfig, Priority, batch_priority
 
 from .fake_process import FakeProcess
 
@@ -163,3 +163,18 @@ async def test_a_lone_high_item_waits_for_its_own_depth_not_for_the_low_queue():
     assert process.calls[0] == ["high"]
     await asyncio.gather(*low)
     assert process.started_at[1] - start == pytest.approx(0.1 * (1 - 1 / (1 + 90 / 10)), abs=2e-6)
+
+
+async def test_a_process_call_knows_its_batch_priority_and_nothing_outside_one_does():
+    seen = []
+
+    async def process(items):
+        await asyncio.sleep(0.01)  # both batches in flight at once: each task keeps its own
+        seen.append((items, batch_priority()))
+        return items
+
+    batcher = AdaptiveBatcher(process, BatcherConfig(max_batch_size=4, max_concurrent_batches=4, max_wait_ms=0,
+                                                     low_share=0))
+    await asyncio.gather(batcher.submit("high"), batcher.submit("low", priority=LOW))
+    assert sorted(seen) == [(["high"], Priority.HIGH), (["low"], LOW)]
+    assert batch_priority() is None

@@ -26,6 +26,7 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list, int | None]] = []
+        self.background_calls: list[bool] = []  # each call's ``background``
         self.gate: asyncio.Event | None = None
         self.rejected_text = "poison"
         self.failing_text = "upstream-down"
@@ -44,8 +45,9 @@ class FakeBackend:
         return [Prepared(prompt + item, len((prompt + item).split())) if isinstance(item, str)
                 else Prepared(tuple(item), len(item)) for item in items]
 
-    async def embed(self, items: Sequence, dimensions: int | None = None) -> list:
+    async def embed(self, items: Sequence, dimensions: int | None = None, background: bool = False) -> list:
         self.calls.append((list(items), dimensions))
+        self.background_calls.append(background)
         if self.gate is not None:
             await self.gate.wait()
         if any(item == self.rejected_text for item in items):
@@ -123,6 +125,15 @@ async def test_requests_forwarded_together_each_get_their_own_outcome() -> None:
     assert isinstance(outcomes[1], InvalidRequest) and outcomes[1].index == 1
     assert outcomes[2][0].shape == (1, 4)
     assert isinstance(outcomes[3], InvalidRequest) and outcomes[3].param == "priority"
+
+
+async def test_a_low_batch_reaches_the_backend_as_background_work_and_a_high_one_does_not() -> None:
+    backend = FakeBackend()
+    model = make_model(backend, max_wait_ms=0.0)
+    await model.embed(["interactive"])
+    await model.embed(["bulk"], priority="low")
+    assert backend.calls == [(["interactive"], None), (["bulk"], None)]
+    assert backend.background_calls == [False, True]
 
 
 async def test_token_ids_are_submitted_as_items_too() -> None:

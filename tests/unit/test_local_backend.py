@@ -15,7 +15,7 @@ import pytest
 from deployments.config import ConfigError, parse_app_config
 from deployments.model import tokens
 from deployments.model.backends import ItemRejected, Prepared
-from deployments.model.backends.engines import default_threads
+from deployments.model.backends.engines import EngineInterrupted, default_threads
 from deployments.model.backends.local import LocalBackend
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.onnx_engine import cached_export
@@ -175,6 +175,43 @@ async def test_a_high_request_is_tokenized_while_low_ones_wait_for_their_thread(
     await holding
     (prepared,) = await low
     assert prepared.content == onnx_backend.wordpieces.encode_many(["a low text"])[0]
+
+
+def test_the_onnx_engine_stops_a_running_call_when_interrupted_and_runs_the_next(onnx_backend) -> None:
+    engine = onnx_backend.engine
+    ids = np.full((64, MAX_SEQ_LENGTH), 1000, dtype=np.int64)  # seconds on one core: it is running when stopped
+    outcome: list[BaseException | np.ndarray] = []
+
+    def run() -> None:
+        try:
+            outcome.append(engine.run(ids, np.ones_like(ids)))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while engine._running is None and thread.is_alive():
+        thread.join(0.001)
+    engine.interrupt()
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineInterrupted)
+    engine.interrupt()  # nothing running: the next call is the one stopped, before it starts
+    with pytest.raises(EngineInterrupted):
+        engine.run(ids[:2, :8], np.ones_like(ids[:2, :8]))
+    assert engine.run(ids[:2, :8], np.ones_like(ids[:2, :8])).shape == (2, onnx_backend.dimension)
+
+
+async def test_a_high_batch_beside_a_low_one_leaves_every_vector_right(onnx_backend) -> None:
+    low_texts, high_texts = pseudo_sentences(300, 120, seed=11), pseudo_sentences(3, 120, seed=12)
+    low, high = [[p.content for p in await onnx_backend.prepare_many(texts)] for texts in (low_texts, high_texts)]
+    alone = np.stack(await onnx_backend.embed(low))
+    bulk = asyncio.ensure_future(onnx_backend.embed(low, background=True))
+    await asyncio.sleep(0.05)  # its calls run on both cores: the HIGH ones stop them
+    interactive = [np.stack(await onnx_backend.embed(high)) for _ in range(3)]
+    assert not bulk.done()
+    np.testing.assert_allclose(np.stack(await bulk), alone, atol=1e-6)
+    for vectors in interactive:
+        np.testing.assert_allclose(vectors, interactive[0], atol=1e-6)
 
 
 async def test_embed_refuses_other_dimensions_and_fails_foreign_contents_in_place(onnx_backend) -> None:

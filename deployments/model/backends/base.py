@@ -76,9 +76,10 @@ class EmbeddingBackend(ABC):
 
     @abstractmethod
     async def embed(
-        self, contents: Sequence[Hashable], dimensions: int | None = None
+        self, contents: Sequence[Hashable], dimensions: int | None = None, background: bool = False
     ) -> Sequence[np.ndarray | BaseException]:
-        """One vector (or the failure of that input alone) for each ``Prepared.content``, in order."""
+        """One vector (or the failure of that input alone) for each ``Prepared.content``, in order. ``background``:
+        a LOW batch's, whose computing may yield to the others' (a backend that computes nothing itself ignores it)."""
 
     async def aclose(self) -> None:
         """Release what the backend holds (threads, connections)."""

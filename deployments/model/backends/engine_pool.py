@@ -2,14 +2,20 @@
 
 One engine per core (a *slot*), each run by a thread of its own: under load the cores run separate calls side by
 side, which serves more texts a second than one engine spreading each call over every core, whose threads meet at
-every operator. A call that would run alone (no other call running or waiting) runs instead on a *wide* engine over
-all the slots' cores: a lone request then gets everything the cores can do for it, and since the wide engine starts
-only while every slot is free and holds them all until it returns, no two calls ever share a core.
+every operator. A call that would run alone runs instead on a *wide* engine over all the slots' cores: a lone
+request then gets everything the cores can do for it, and since the wide engine starts only while every slot is free
+and holds them all until it returns, no two calls ever share a core.
 
 A caller's first call goes before any caller's next one, and then the callers take turns, one call each: a batch sent
-beside a running one starts on the next core that frees, not after all of its calls, so a HIGH batch beside a LOW
-one (the batcher never gives LOW the last batch slot) waits for one call; a lone batch spreads its calls over every
-core.
+beside a running one starts on the next core that frees, not after all of its calls; a lone batch spreads its calls
+over every core.
+
+A *background* caller (a LOW batch) yields a core: when a call of another caller waits and no core runs one of the
+others' calls, the background call started last is stopped (at its engine's next operator) and the waiting call runs
+on its core at once; the stopped call runs again, first of its caller's, in its caller's next turn. So a HIGH request
+beside a bulk job waits for an operator, not for a LOW call, and the job loses the part of a call it had done; once a
+HIGH call holds a core, the callers take turns as above, so a HIGH flood does not starve LOW of the cores the
+batcher's ``low_share`` gives it. An engine that cannot stop a call (torch) lets it finish first.
 
 The threads run at the lowest CPU priority (nice 19), and so do the threads an engine starts, which inherit it from
 the thread that built the engine: on a machine the model keeps busy, the cheap work that moves requests (HAProxy,
@@ -19,16 +25,36 @@ the ingress, the replica's event loop) gets a core the moment it needs one, inst
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
-from deployments.model.backends.engines import Engine
+from deployments.model.backends.engines import Engine, EngineInterrupted
 from deployments.model.cpu_priority import lowest_cpu_priority
 
 T = TypeVar("T")
 EngineCall = Callable[[Engine], T]  # one engine call: given the engine to run on, its result
-_Queued = deque[tuple[EngineCall, asyncio.Future]]  # one caller's calls not yet started, with their results' futures
+
+
+@dataclass(eq=False)
+class _Caller:
+    """One ``run``'s calls not yet started, with their results' futures."""
+
+    background: bool
+    calls: deque[tuple[EngineCall, asyncio.Future]] = field(default_factory=deque)
+    dropped: bool = False  # failed or gave up: none of its calls is wanted any more
+
+
+@dataclass(eq=False)
+class _Running:
+    caller: _Caller
+    call: EngineCall
+    future: asyncio.Future
+    held: list[Engine]  # the slots it holds: its own, or every one for the wide engine
+    started: int  # the order calls started in
+    stopping: bool = False
 
 
 class EnginePool:
@@ -46,9 +72,11 @@ class EnginePool:
         self.wide_engine: Engine | None = (
             self._executor.submit(build, slots * slot_threads).result() if wide and slots > 1 else None)
         self._free: list[Engine] = list(self.slot_engines)
-        self._arrived: deque[_Queued] = deque()  # callers none of whose calls has started, in arrival order
-        self._turns: deque[_Queued] = deque()  # callers with calls running or done, taking turns
-        self._waiting = 0  # calls queued, not yet started
+        self._arrived: deque[_Caller] = deque()  # callers none of whose calls has started, in arrival order
+        self._turns: deque[_Caller] = deque()  # callers with calls running or done, taking turns
+        self._waiting = {False: 0, True: 0}  # calls not yet started, by background
+        self._running: dict[Engine, _Running] = {}
+        self._starts = itertools.count()
 
     @property
     def engines(self) -> list[Engine]:
@@ -60,14 +88,15 @@ class EnginePool:
         sizes an engine's buffers)."""
         return [self._executor.submit(call, engine).result() for engine in self.engines]
 
-    async def run(self, calls: Sequence[EngineCall[T]]) -> list[T]:
+    async def run(self, calls: Sequence[EngineCall[T]], background: bool = False) -> list[T]:
         """Each call's result, in order. The calls take turns with other callers' (one call each), and run side by
-        side on free slots. Once one fails, or the caller is cancelled, its calls not yet started never start."""
+        side on free slots; ``background`` ones yield a core to the others'. Once one fails, or the caller is
+        cancelled, its calls not yet started never start."""
         loop = asyncio.get_running_loop()
-        caller: _Queued = deque((call, loop.create_future()) for call in calls)
-        futures = [future for _, future in caller]
+        caller = _Caller(background, deque((call, loop.create_future()) for call in calls))
+        futures = [future for _, future in caller.calls]
         self._arrived.append(caller)
-        self._waiting += len(futures)
+        self._waiting[background] += len(futures)
         self._dispatch()
         try:
             return list(await asyncio.gather(*futures))
@@ -77,41 +106,83 @@ class EnginePool:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False)
 
-    def _drop(self, caller: _Queued) -> None:
+    def _drop(self, caller: _Caller) -> None:
         """Forget the caller's calls not yet started."""
-        self._waiting -= len(caller)
-        for _, future in caller:
+        caller.dropped = True
+        self._waiting[caller.background] -= len(caller.calls)
+        for _, future in caller.calls:
             future.cancel()
-        caller.clear()
+        caller.calls.clear()
 
     def _dispatch(self) -> None:
-        while self._free and (self._arrived or self._turns):
-            caller = (self._arrived or self._turns).popleft()
-            if not caller:
-                continue
-            call, future = caller.popleft()
-            self._waiting -= 1
-            if caller:
+        while self._free:
+            caller = self._next_caller()
+            if caller is None:
+                break
+            call, future = caller.calls.popleft()
+            self._waiting[caller.background] -= 1
+            if caller.calls:
                 self._turns.append(caller)
-            if self.wide_engine is not None and self._waiting == 0 and len(self._free) == len(self.slot_engines):
-                held, engine = self._free, self.wide_engine
+            if self.wide_engine is not None and not any(self._waiting.values()) \
+                    and len(self._free) == len(self.slot_engines):
+                held, engine = self._free, self.wide_engine  # a call alone: every core
                 self._free = []
             else:
                 engine = self._free.pop()
                 held = [engine]
-            running = self._executor.submit(call, engine)
-            loop = future.get_loop()
-            running.add_done_callback(lambda done, args=(held, caller, future): loop.call_soon_threadsafe(
-                self._finished, *args, done))
+            self._start(engine, _Running(caller, call, future, held, next(self._starts)))
+        if self._foreground_coreless():
+            self._stop_latest_background()
 
-    def _finished(self, held: list[Engine], caller: _Queued, future: asyncio.Future, running: Future) -> None:
-        self._free.extend(held)
-        error = running.exception()
-        if not future.done():
+    def _next_caller(self) -> _Caller | None:
+        """Whose call runs next: a caller's first call before any caller's next, then turns; but while the others
+        have no core, theirs first."""
+        first = self._foreground_coreless()
+        for line in (self._arrived, self._turns):
+            for caller in list(line):
+                if not caller.calls:  # done, failed or gone
+                    line.remove(caller)
+                elif not first or not caller.background:
+                    line.remove(caller)
+                    return caller
+        return None
+
+    def _foreground_coreless(self) -> bool:
+        """Whether a call of a foreground caller waits while no core runs one."""
+        return bool(self._waiting[False]) and all(running.caller.background for running in self._running.values())
+
+    def _stop_latest_background(self) -> None:
+        """Stop the background call started last, unless one is being stopped already (its core is on its way)."""
+        running = [(call.started, engine, call) for engine, call in self._running.items()]
+        if not running or any(call.stopping for _, _, call in running):
+            return
+        _, engine, call = max(running, key=lambda entry: entry[0])
+        call.stopping = True
+        engine.interrupt()
+
+    def _start(self, engine: Engine, running: _Running) -> None:
+        self._running[engine] = running
+        started = self._executor.submit(running.call, engine)
+        loop = running.future.get_loop()
+        started.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, engine, done))
+
+    def _finished(self, engine: Engine, done: Future) -> None:
+        running = self._running.pop(engine)
+        self._free.extend(running.held)
+        error = done.exception()
+        stopped = isinstance(error, EngineInterrupted)  # asked to, or the stop asked of the call before it
+        if stopped and not running.caller.dropped:  # its caller's next call, and its caller's turn next
+            caller = running.caller
+            if caller.calls:
+                self._turns.remove(caller)
+            caller.calls.appendleft((running.call, running.future))
+            self._turns.appendleft(caller)
+            self._waiting[caller.background] += 1
+        elif not running.future.done():
             if error is None:
-                future.set_result(running.result())
+                running.future.set_result(done.result())
             else:
-                future.set_exception(error)
-        if error is not None:
-            self._drop(caller)  # before the next call is chosen: the caller's others are not wanted now
+                running.future.set_exception(error)
+        if error is not None and not stopped:
+            self._drop(running.caller)  # before the next call is chosen: the caller's others are not wanted now
         self._dispatch()

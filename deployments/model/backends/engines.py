@@ -29,10 +29,19 @@ CHUNK_TOKENS = 256
 CUDA_CHUNK_TOKENS = 16384
 
 
+class EngineInterrupted(Exception):
+    """The call was stopped by ``Engine.interrupt`` before it finished: nothing is wrong with it, run it again."""
+
+
 class Engine(Protocol):
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """int64 ``[n, length]`` ids and mask to float32 ``[n, dimension]`` rows (of unit length if the model
         normalises)."""
+
+    def interrupt(self) -> None:
+        """Ask the call running (or about to run) to stop at its next operator and raise ``EngineInterrupted``
+        (called from another thread; asked just as a call returns, the next call may be the one stopped); an engine
+        that cannot stop a call lets it finish."""
 
 
 def default_threads() -> int:

@@ -35,6 +35,7 @@ from deployments.model.backends.engines import (Engine, default_threads, embed_c
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.prompts import Prompts
 from deployments.model.backends.wordpieces import BoundedTokenizer
+from deployments.model.cpu_priority import lowest_cpu_priority
 
 T = TypeVar("T")
 
@@ -88,8 +89,12 @@ class LocalBackend(EmbeddingBackend):
                      else EnginePool(build, 1, slot_threads=self.threads))
         # A thread for background (LOW) requests and one for the others: when a flood of LOW requests arrives at once
         # (its first requests do), their tokenizing queues on theirs, and a HIGH request's does not wait behind it.
-        self._tokenizer_threads = {background: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
-                                   for background, name in ((False, "interactive"), (True, "background"))}
+        # The background one computes at the lowest CPU priority, as the engines do: a burst of LOW tokenizing never
+        # takes a core from a HIGH request's engine call.
+        self._tokenizer_threads = {
+            background: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}",
+                                           initializer=lowest_cpu_priority if background else None)
+            for background, name in ((False, "interactive"), (True, "background"))}
         if warm_up:
             warm = self.wordpieces.encode_many(["warm up"])
             self.pool.run_on_each(lambda engine: self._embed_now(engine, warm))
@@ -120,7 +125,7 @@ class LocalBackend(EmbeddingBackend):
                                                                 items, prompt)
 
     async def embed(
-        self, contents: Sequence[Hashable], dimensions: int | None = None
+        self, contents: Sequence[Hashable], dimensions: int | None = None, background: bool = False
     ) -> Sequence[np.ndarray | BaseException]:
         if dimensions is not None and not self.supports_dimensions(dimensions):
             sizes = ", ".join(map(str, sorted({self.model.dimension, *self.matryoshka_dims})))
@@ -132,7 +137,7 @@ class LocalBackend(EmbeddingBackend):
         sequences = [content for content in contents if isinstance(content, tuple)]
         if not sequences:
             return outcomes  # type: ignore[return-value]
-        vectors = await self._embed_in_calls(sequences)
+        vectors = await self._embed_in_calls(sequences, background)
         if dimensions is not None and dimensions != self.model.dimension:
             vectors = self._shortened(vectors, dimensions)
         return _fill(outcomes, vectors)
@@ -154,13 +159,14 @@ class LocalBackend(EmbeddingBackend):
         special = self.wordpieces.special_tokens
         return _fill(outcomes, [Prepared(ids, len(ids) - special) for ids in self.wordpieces.encode_many(texts)])
 
-    async def _embed_in_calls(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    async def _embed_in_calls(self, sequences: Sequence[Sequence[int]], background: bool) -> list[np.ndarray]:
         """The vectors, in engine calls of like-length inputs that the pool runs side by side and takes in turns
-        with the calls of other batches in flight (``EnginePool.run``)."""
+        with the calls of other batches in flight, yielding the cores to theirs if ``background``
+        (``EnginePool.run``)."""
         pad_id, left = self.wordpieces.pad_id, self.model.left_padding
         calls = engine_calls(sequences, self.max_call_tokens)
         computed = await self.pool.run([functools.partial(embed_call, sequences=sequences, call=call, pad_id=pad_id,
-                                                          left_padding=left) for call in calls])
+                                                          left_padding=left) for call in calls], background)
         vectors: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
         for call, rows in zip(calls, computed):
             for i, vector in zip(call, rows.astype(np.float32, copy=False)):

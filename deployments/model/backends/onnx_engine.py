@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 import uuid
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import onnxruntime as ort
 
+from deployments.model.backends.engines import EngineInterrupted
 from deployments.model.backends.model_dir import ModelDir
 
 RECIPE = "st-pipeline-eager-opset17-v2"  # change it whenever the export changes: old caches are then not used
@@ -49,10 +51,34 @@ class OnnxEngine:
         # spinning idle, they would take the cores from the next call, on this engine or another.
         options.add_session_config_entry("session.force_spinning_stop", "1")
         self._session = ort.InferenceSession(str(self.model_file), options, providers=_CPU)
+        self._stopping = threading.Lock()
+        self._running: ort.RunOptions | None = None  # the running call's options, to stop it with
+        self._stop_next = False
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        (vectors,) = self._session.run([OUTPUT], {INPUTS[0]: input_ids, INPUTS[1]: attention_mask})
+        options = ort.RunOptions()  # this call's own, to stop it with: the engine runs one call at a time
+        with self._stopping:
+            if self._stop_next:  # asked to stop before it reached the session
+                self._stop_next = False
+                raise EngineInterrupted("the call was stopped by interrupt() before it started")
+            self._running = options
+        try:
+            (vectors,) = self._session.run([OUTPUT], {INPUTS[0]: input_ids, INPUTS[1]: attention_mask}, options)
+        except Exception:
+            if options.terminate:
+                raise EngineInterrupted("the call was stopped by interrupt()") from None
+            raise
+        finally:
+            with self._stopping:
+                self._running = None
         return vectors
+
+    def interrupt(self) -> None:
+        with self._stopping:
+            if self._running is not None:
+                self._running.terminate = True  # ORT checks it between operators
+            else:  # the call is on its way to the session, or has just returned (then the next one stops: harmless)
+                self._stop_next = True
 
 
 def cached_export(model: ModelDir, cache_dir: Path, optimize: bool = False) -> Path:

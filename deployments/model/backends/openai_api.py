@@ -110,7 +110,7 @@ class OpenAIBackend(EmbeddingBackend):
         return Prepared(tuple(item), len(item))
 
     async def embed(
-        self, contents: Sequence[Hashable], dimensions: int | None = None
+        self, contents: Sequence[Hashable], dimensions: int | None = None, background: bool = False
     ) -> Sequence[np.ndarray | BaseException]:
         items = [content if isinstance(content, str) else list(content) for content in contents]  # type: ignore
         request: dict[str, Any] = {

@@ -147,3 +147,6 @@ class TorchEngine:
             vectors = self._module(torch.from_numpy(input_ids).to(self._device),
                                    torch.from_numpy(attention_mask).to(self._device))
             return vectors.float().cpu().numpy()
+
+    def interrupt(self) -> None:
+        """Nothing: torch runs a call to its end."""
