@@ -25,7 +25,6 @@ the ingress, the replica's event loop) gets a core the moment it needs one, inst
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,7 +52,6 @@ class _Running:
     call: EngineCall
     future: asyncio.Future
     held: list[Engine]  # the slots it holds: its own, or every one for the wide engine
-    started: int  # the order calls started in
     stopping: bool = False
 
 
@@ -75,8 +73,7 @@ class EnginePool:
         self._arrived: deque[_Caller] = deque()  # callers none of whose calls has started, in arrival order
         self._turns: deque[_Caller] = deque()  # callers with calls running or done, taking turns
         self._waiting = {False: 0, True: 0}  # calls not yet started, by background
-        self._running: dict[Engine, _Running] = {}
-        self._starts = itertools.count()
+        self._running: dict[Engine, _Running] = {}  # in the order the calls started
 
     @property
     def engines(self) -> list[Engine]:
@@ -130,7 +127,7 @@ class EnginePool:
             else:
                 engine = self._free.pop()
                 held = [engine]
-            self._start(engine, _Running(caller, call, future, held, next(self._starts)))
+            self._start(engine, _Running(caller, call, future, held))
         if self._foreground_coreless():
             self._stop_latest_background()
 
@@ -153,10 +150,9 @@ class EnginePool:
 
     def _stop_latest_background(self) -> None:
         """Stop the background call started last, unless one is being stopped already (its core is on its way)."""
-        running = [(call.started, engine, call) for engine, call in self._running.items()]
-        if not running or any(call.stopping for _, _, call in running):
+        if not self._running or any(call.stopping for call in self._running.values()):
             return
-        _, engine, call = max(running, key=lambda entry: entry[0])
+        engine, call = next(reversed(self._running.items()))  # called while only background calls run
         call.stopping = True
         engine.interrupt()
 
