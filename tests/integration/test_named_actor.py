@@ -31,5 +31,9 @@ async def test_concurrent_first_calls_make_one_actor_that_lives_and_a_dead_one_i
     await asyncio.sleep(1.0)  # a dropped creating handle ends the actor within moments
     assert await shared.call("add") == 51
 
-    ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    old = ray.get_actor(name, namespace=NAMESPACE)
+    ray.kill(old)
+    with pytest.raises(ray.exceptions.ActorDiedError):  # ray.kill returns before the actor is gone: wait for it
+        while True:
+            await old.add.remote()
     assert await shared.call("add") == 1  # a new one, made by the call that found the old one dead
