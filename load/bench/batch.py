@@ -5,8 +5,10 @@ from this process with the official ``openai`` client: the corpus (``--documents
 input files of at most ``--lines-per-batch`` lines (OpenAI's 50,000), uploaded, and submitted as batches at once. A
 HIGH stream of single texts (Poisson, ``--high-rate-per-s``) runs alone for ``--calm-s`` first, then beside the
 batches until they finish, with a LOW one (``X-Priority: low``) beside it, then alone for ``--calm-s`` again (its
-calm P99 is over both times alone). Every output line is checked: one per
-document, in order, and a sample's vectors equal (cosine) to ``/v1/embeddings`` for the same text.
+calm P99 is over both times alone). Each input file has ``--bad-lines`` bad lines planted in place of documents (in
+turn: not JSON, an unknown model, an empty input). Every output line is checked: one per document but the planted
+ones, in order; the error files hold the planted lines and nothing else; a sample's vectors equal (cosine) to
+``/v1/embeddings`` for the same text.
 
 With ``--relayed``, the model is an ``openai`` entry relaying batches to the simulated provider's Batch API
 (``provider_batches``, a disk cache; the provider in its own process, its batches done ``--provider-delay-s`` after
@@ -51,6 +53,7 @@ from .upstream_process import upstream_process
 
 TARGET_HIGH_P99_RATIO = 1.5
 SAMPLE = 500  # output lines compared with /v1/embeddings
+BAD_KINDS = ("not JSON", "unknown model", "empty input")  # the bad lines planted, in turn
 POLL_S = 0.5
 
 
@@ -62,6 +65,7 @@ class Settings:
     high_rate_per_s: float = 5.0
     low_rate_per_s: float = 2.0
     calm_s: float = 30.0
+    bad_lines: int = 3  # planted in each input file, in place of documents
     relayed: bool = False
     changed_share: float = 0.07  # relayed: the documents changed for the second night
     provider_delay_s: float = 10.0  # relayed: the provider's batch is done this long after it was made
@@ -71,6 +75,8 @@ class Settings:
     def __post_init__(self) -> None:
         if min(self.documents, self.lines_per_batch) < 1:
             raise ValueError("batch: --documents and --lines-per-batch must be >= 1")
+        if not 0 <= self.bad_lines < min(self.documents, self.lines_per_batch):
+            raise ValueError("batch: --bad-lines must be >= 0 and fewer than a file's lines")
         if not 0 <= self.changed_share <= 1:
             raise ValueError("batch: --changed-share must be within [0, 1]")
 
@@ -129,7 +135,7 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
         if provider is not None:
             await _provider_stats(provider, reset=True)
         started = time.perf_counter()
-        batch_ids, uploaded = await _submit(client, model, documents, settings.lines_per_batch)
+        batch_ids, uploaded = await _submit(client, model, documents, settings.lines_per_batch, settings.bad_lines)
         submitted_s = time.perf_counter() - started
         done = asyncio.Event()
         streams = asyncio.gather(
@@ -153,26 +159,41 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
                            + sum(answer.status == 200 for answer in calm_after)}
         changed = _changed(documents, settings.changed_share)
         started = time.perf_counter()
-        again, again_files = await _submit(client, model, changed, settings.lines_per_batch)
+        again, again_files = await _submit(client, model, changed, settings.lines_per_batch, settings.bad_lines)
         second = await _wait(client, again)
         data["night_2"] = {**await _provider_stats(provider, reset=False), "wall_s": time.perf_counter() - started,
                            "changed_documents": len(set(changed) - set(documents)),
                            "statuses": [b.status for b in second]}
         await _delete(client, again_files, second)
         await provider.close()
-    data["check"] = await _check(client, model, documents, batches)
+    data["check"] = await _check(client, model, documents, batches, settings.lines_per_batch, settings.bad_lines)
     await _delete(client, uploaded, batches)
     return data
 
 
-async def _submit(client: openai.AsyncOpenAI, model: str, documents: list[str],
-                  lines_per_batch: int) -> tuple[list[str], list[str]]:
-    """The documents' input files uploaded and submitted as batches: the batches' ids and the files'."""
+def _planted(first: int, end: int, bad_lines: int) -> dict[int, str]:
+    """The bad lines planted in the input file of documents ``first`` to ``end``: position -> kind, spread evenly."""
+    return {first + (k + 1) * (end - first) // (bad_lines + 1): BAD_KINDS[k % len(BAD_KINDS)]
+            for k in range(bad_lines)}
+
+
+def _line(model: str, documents: list[str], index: int, bad: str | None) -> bytes:
+    if bad == "not JSON":
+        return b'{"custom_id": "doc-%d", "method": "POST", "url": "/v1/embeddings", "body": {' % index
+    body = {"model": "no-such-model" if bad == "unknown model" else model,
+            "input": "" if bad == "empty input" else documents[index]}
+    return orjson.dumps({"custom_id": f"doc-{index}", "method": "POST", "url": "/v1/embeddings", "body": body})
+
+
+async def _submit(client: openai.AsyncOpenAI, model: str, documents: list[str], lines_per_batch: int,
+                  bad_lines: int) -> tuple[list[str], list[str]]:
+    """The documents' input files, ``bad_lines`` planted in each, uploaded and submitted as batches: the batches'
+    ids and the files'."""
     batch_ids, uploaded = [], []
     for first in range(0, len(documents), lines_per_batch):
-        lines = b"".join(orjson.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
-                                       "body": {"model": model, "input": documents[i]}}) + b"\n"
-                         for i in range(first, min(first + lines_per_batch, len(documents))))
+        end = min(first + lines_per_batch, len(documents))
+        planted = _planted(first, end, bad_lines)
+        lines = b"".join(_line(model, documents, i, planted.get(i)) + b"\n" for i in range(first, end))
         file = await client.files.create(file=(f"part-{first}.jsonl", io.BytesIO(lines)), purpose="batch")
         uploaded.append(file.id)
         batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
@@ -224,23 +245,33 @@ async def _stream(session: aiohttp.ClientSession, model: str, texts: Sequence[st
     return answers
 
 
-async def _check(client: openai.AsyncOpenAI, model: str, documents: list[str], batches: list[Any]) -> dict[str, Any]:
-    """Every document's line once and in order in the outputs; a sample's vectors against /v1/embeddings."""
+async def _check(client: openai.AsyncOpenAI, model: str, documents: list[str], batches: list[Any],
+                 lines_per_batch: int, bad_lines: int) -> dict[str, Any]:
+    """Every document's line once and in order in the outputs, the planted lines (and only those) in the error
+    files; a sample's vectors against /v1/embeddings."""
     outputs: list[dict[str, Any]] = []
-    failed = 0
+    errors: list[dict[str, Any]] = []
     for batch in batches:
         if batch.output_file_id:
             content = (await client.files.content(batch.output_file_id)).content
             outputs += [orjson.loads(raw) for raw in content.splitlines()]
         if batch.error_file_id:
-            failed += len((await client.files.content(batch.error_file_id)).content.splitlines())
-    in_order = [line["custom_id"] for line in outputs] == [f"doc-{i}" for i in range(len(documents))]
+            errors += [orjson.loads(raw) for raw in (await client.files.content(batch.error_file_id)).content.splitlines()]
+    planted = {index: kind for first in range(0, len(documents), lines_per_batch)
+               for index, kind in _planted(first, min(first + lines_per_batch, len(documents)), bad_lines).items()}
+    in_order = [line["custom_id"] for line in outputs] == [f"doc-{i}" for i in range(len(documents))
+                                                           if i not in planted]
+    # a line that is not JSON has no custom_id to give back
+    planted_only = [line["custom_id"] for line in errors] == [None if kind == "not JSON" else f"doc-{i}"
+                                                              for i, kind in sorted(planted.items())]
     sample = list(range(0, len(outputs), max(1, len(outputs) // SAMPLE)))[:SAMPLE]
-    direct = await client.embeddings.create(model=model, input=[documents[i] for i in sample])
+    texts = [documents[int(outputs[i]["custom_id"].removeprefix("doc-"))] for i in sample]
+    direct = await client.embeddings.create(model=model, input=texts)
     direct_vectors = np.array([entry.embedding for entry in direct.data], dtype=np.float32)
     batched = np.array([decode_embeddings(outputs[i]["response"]["body"], 1)[0] for i in sample], dtype=np.float32)
     cosines = (batched * direct_vectors).sum(axis=1) if len(sample) else np.array([])
-    return {"lines": len(outputs), "in_order_once_each": in_order, "error_lines": failed,
+    return {"lines": len(outputs), "in_order_once_each": in_order, "error_lines": len(errors),
+            "planted": len(planted), "error_lines_the_planted_ones": planted_only,
             "min_cosine": float(cosines.min()) if len(cosines) else None, "sampled": len(sample)}
 
 
@@ -288,7 +319,8 @@ all at once; HIGH single texts at {settings['high_rate_per_s']:g}/s ({settings['
 
 Batches: {batches}. Wall time from the first upload to the last batch's end: {fmt(data['wall_s'])} s, \
 {settings['documents'] / data['wall_s']:,.0f} documents/s. Output: {check['lines']:,} lines, each document once and \
-in order: {check['in_order_once_each']}; error lines {check['error_lines']}; min cosine to `/v1/embeddings` over \
+in order (but the {check['planted']} bad lines planted): {check['in_order_once_each']}; error lines \
+{check['error_lines']}, the planted ones and only those: {check['error_lines_the_planted_ones']}; min cosine to `/v1/embeddings` over \
 {check['sampled']} sampled documents {fmt(check['min_cosine'], 6)}.
 
 {streams}

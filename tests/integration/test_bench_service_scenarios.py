@@ -62,7 +62,9 @@ def test_batch_scenario_runs_the_corpus_through_batches_beside_both_streams(embe
     assert (tmp_path / "batch.md").exists()
     assert [b["status"] for b in data["batches"]] == ["completed"] * 3
     check = data["check"]
-    assert (check["lines"], check["in_order_once_each"], check["error_lines"]) == (60, True, 0)
+    # 3 bad lines planted in each of the 3 files: each becomes one error line, the rest complete
+    assert (check["lines"], check["in_order_once_each"], check["planted"]) == (51, True, 9)
+    assert check["error_lines"] == 9 and check["error_lines_the_planted_ones"]
     assert check["min_cosine"] >= 0.99999
     for stream in ("calm_high", "high", "low"):
         assert set(data[stream]["statuses"]) <= {"200"}
