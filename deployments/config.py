@@ -363,7 +363,8 @@ class BatchConfig(_Section):
     """OpenAI's Batch API (``/v1/files``, ``/v1/batches``; ``deployments/ingress/batch/``): where its files and
     batches are kept, and its limits."""
 
-    directory: Text = None  # None: $XDG_DATA_HOME (or ~/.local/share)/adaptive-embeddings/batch
+    # None: $XDG_DATA_HOME (or ~/.local/share)/adaptive-embeddings/batch. On a cluster: storage every node mounts here.
+    directory: Text = None
     max_file_bytes: Annotated[int, _int_at_least(1024, " (bytes)")] = 200 * 1024 * 1024  # OpenAI's
     max_lines: Annotated[int, _int_at_least(1)] = 50_000  # requests a batch's input file may hold (OpenAI's)
     retention_days: Seconds = 30.0  # files and finished batches are removed this long after their creation

@@ -11,7 +11,13 @@ all-MiniLM-L6-v2, offline) from the cluster config's own args, and checks, in or
 4. ``node_loss``: the worker node killed under load (requests spread over both proxies), with one ingress replica
    on each node: no request hangs, every request that reached the surviving (head) node's proxy is answered with its
    vectors, and only the lost node's own connections fail;
-5. ``replacement``: the lost replica waits for capacity, and once a node is added it starts there (whose proxy serves).
+5. ``replacement``: the lost replica waits for capacity, and once a node is added it starts there (whose proxy serves);
+6. ``batch_api``: the Batch API on one directory both nodes reach (the cluster config's ``batch.directory`` points at
+   storage every node mounts; on this machine, a directory of its disk): a file uploaded through the head's proxy is
+   found through the worker's; a batch cancelled through the proxy of the node whose ingress does not run it ends
+   cancelled; a batch created through the worker's proxy runs in the worker's ingress (one the head's takes first is
+   cancelled, and another made), and when the worker node is killed a fifth of the way through, the head's ingress
+   takes it over and completes it: every line once, in order, with the vectors ``/v1/embeddings`` gives.
 
 Each step's outcome and figures go to the JSON report; the first failed step ends the run with exit status 1 and
 its message on stderr. The cluster is this process's own: it runs as a separate process because a process can be
@@ -30,12 +36,15 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence
 
 import aiohttp
 import numpy as np
+import openai
+import orjson
 import yaml
 
+from embeddings_wire import decode_embeddings
 from load.loadgen import closed_loop, open_loop
 from load.multinode import ClusterNode, LocalCluster, local_cluster, spread, wait_for_proxies
 from load.upstream_client import UpstreamClient, UpstreamError
@@ -58,6 +67,11 @@ SCALING_CALLERS = 24
 HANG_S = 30.0  # a request unanswered this long counts as hung
 REPLICA_START_TIMEOUT_S = 120.0  # generous: loading the model competes for the cores with the load on a busy machine
 LOSS_RATE_PER_S, LOSS_DURATION_S, KILL_AT_S = 16.0, 12.0, 3.0
+BATCH_LINES = 3000  # seconds of work on the two nodes: long enough to lose a node in the middle
+BATCH_KILL_AT_SHARE = 0.2  # the node running the batch is killed once this share of its lines is done
+BATCH_TRIES = 4  # batches created through the worker's proxy until the worker's ingress is the one that runs one
+BATCH_TIMEOUT_S = 180.0
+BATCH_SAMPLE = 50  # output lines whose vectors are compared with /v1/embeddings
 
 
 class CheckFailed(Exception):
@@ -73,13 +87,15 @@ class Outcome:
     message: str = ""  # an error answer's text
 
 
-def cluster_app_args() -> dict[str, Any]:
-    """``serve_config.cluster.yaml``'s application args, with ``CI_AUTOSCALING`` over each model's autoscaling."""
+def cluster_app_args(batch_directory: Path) -> dict[str, Any]:
+    """``serve_config.cluster.yaml``'s application args, with ``CI_AUTOSCALING`` over each model's autoscaling and
+    ``batch_directory`` (which every node of this one-machine cluster reaches) for the Batch API's shared storage."""
     config = yaml.safe_load(CLUSTER_CONFIG.read_text())
     (application,) = [app for app in config["applications"] if app["name"] == APP_NAME]
     args = copy.deepcopy(application["args"])
     for model in args["models"]:
         model["autoscaling"] = {**model["autoscaling"], **CI_AUTOSCALING}
+    args["batch"] = {**args["batch"], "directory": str(batch_directory)}
     return args
 
 
@@ -116,13 +132,34 @@ def wait_for_replicas(count: int) -> float:
     return replicas_of.wait_for_running_replicas(APP_NAME, DEPLOYMENT, count, REPLICA_START_TIMEOUT_S)
 
 
+def flock_holder(path: Path) -> int | None:
+    """The process holding a ``flock`` on ``path`` (from ``/proc/locks``), if one does."""
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return None
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a blocked waiter's line has "->" after the number)
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[2] != "->" and int(fields[5].rsplit(":", 1)[1]) == inode:
+            return int(fields[4])
+    return None
+
+
+def batch_input(texts: Sequence[str]) -> bytes:
+    return b"".join(orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/embeddings",
+                                  "body": {"model": MODEL, "input": text}}) + b"\n" for i, text in enumerate(texts))
+
+
 class Run:
     """The steps, in order, on one cluster; ``report`` collects each step's figures."""
 
-    def __init__(self, cluster: LocalCluster, clients: dict[int, UpstreamClient], report: dict[str, Any]) -> None:
+    def __init__(self, cluster: LocalCluster, clients: dict[int, UpstreamClient], report: dict[str, Any],
+                 batch_directory: Path) -> None:
         self.cluster = cluster
         self.clients = clients
         self.report = report
+        self.batch_directory = batch_directory
 
     async def deploy(self) -> None:
         from ray import serve
@@ -130,7 +167,8 @@ class Run:
         from deployments.app import build_app
 
         started = time.monotonic()
-        await asyncio.to_thread(serve.run, build_app(cluster_app_args()), name=APP_NAME, route_prefix="/")
+        await asyncio.to_thread(serve.run, build_app(cluster_app_args(self.batch_directory)), name=APP_NAME,
+                                route_prefix="/")
         await asyncio.to_thread(wait_for_proxies, [self.cluster.head])
         nodes = replica_nodes()
         self.report["deploy"] = {"seconds": round(time.monotonic() - started, 1), "replica_nodes": node_counts(nodes)}
@@ -239,6 +277,98 @@ class Run:
         if answer.kind != "ok":
             raise CheckFailed(f"the added node's proxy did not serve: {answer}")
 
+    async def batch_api(self) -> None:
+        head, worker = self.cluster.head, self.cluster.workers[0]
+        texts = pseudo_sentences(BATCH_LINES, seed=4)
+        report: dict[str, Any] = {"lines": BATCH_LINES}
+        self.report["batch_api"] = report
+        via_head = openai.AsyncOpenAI(base_url=f"{head.proxy_url}/v1", api_key="unused", max_retries=0)
+        via_worker = openai.AsyncOpenAI(base_url=f"{worker.proxy_url}/v1", api_key="unused", max_retries=0)
+        uploaded = await via_head.files.create(file=("corpus.jsonl", batch_input(texts)), purpose="batch")
+        found = await via_worker.files.retrieve(uploaded.id)
+        if found.bytes != uploaded.bytes:
+            raise CheckFailed(f"the worker's proxy sees the head's upload as {found}, not {uploaded}")
+
+        ingress_nodes = {replica.pid: replica.node_id for replica in replicas_of.replicas(APP_NAME, INGRESS)}
+        names = {head.node_id: "head", worker.node_id: "worker"}
+
+        async def started() -> tuple[Any, str]:
+            """A batch created through the worker's proxy, and the node whose ingress runs it."""
+            batch = await via_worker.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                    completion_window="24h")
+            return batch, names.get(ingress_nodes.get(await self._lock_holder(batch.id)), "none")
+
+        async def cancel_elsewhere(batch: Any, runner: str) -> None:
+            """Cancelled through the proxy of the node that does not run it: its runner sees another node's cancel."""
+            await (via_head if runner == "worker" else via_worker).batches.cancel(batch.id)
+            ended = await self._batch_ended(via_head, batch.id)
+            if ended.status != "cancelled":
+                raise CheckFailed(f"a batch cancelled through the other node's proxy ended {ended.status}")
+
+        batch, runner = await started()
+        await cancel_elsewhere(batch, runner)
+        report["cancelled_through_the_other_node"] = runner
+
+        # Batches created through the worker's proxy until one runs in the worker's ingress (the ingress a create
+        # reaches looks at once, the other at its next poll); one the head's runs is cancelled.
+        runners: list[str] = []
+        for _ in range(BATCH_TRIES):
+            batch, runner = await started()
+            runners.append(runner)
+            if runner == "worker":
+                break
+            await cancel_elsewhere(batch, runner)
+        report["runner_of_each_try"] = runners
+        if runners[-1] != "worker":
+            raise CheckFailed(f"no batch ran in the worker's ingress in {BATCH_TRIES} tries: {runners}")
+
+        # Its node killed mid-batch: the head's ingress takes the batch over after the lines finished before.
+        while (done := (await via_head.batches.retrieve(batch.id)).request_counts.completed) < \
+                BATCH_LINES * BATCH_KILL_AT_SHARE:
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(self.cluster.kill_node, worker)
+        killed_at = time.time()
+        report["lines_done_when_killed"] = done
+        lost = {pid for pid, node in ingress_nodes.items() if node == worker.node_id}
+        report["runner_after_kill"] = names.get(ingress_nodes.get(await self._lock_holder(batch.id, other_than=lost)),
+                                                "none")
+        finished = await self._batch_ended(via_head, batch.id)
+        counts = finished.request_counts
+        report.update(status=finished.status, completed=counts.completed, failed=counts.failed,
+                      completed_s_after_kill=round(finished.completed_at - killed_at, 1))
+        if finished.status != "completed" or counts.completed != BATCH_LINES or counts.failed:
+            raise CheckFailed(f"the batch taken over after its node was lost ended {finished.status} with {counts}")
+        output = (await via_head.files.content(finished.output_file_id)).content.splitlines()
+        lines = [orjson.loads(raw) for raw in output]
+        report["output_lines"] = len(lines)
+        if [line["custom_id"] for line in lines] != [f"line-{i}" for i in range(BATCH_LINES)]:
+            raise CheckFailed(f"the output is not every line once and in order ({len(lines)} lines)")
+        sample = list(range(0, BATCH_LINES, BATCH_LINES // BATCH_SAMPLE))
+        direct = np.stack(await self.clients[head.proxy_port].embed([texts[i] for i in sample]))
+        batched = np.stack([decode_embeddings(lines[i]["response"]["body"], 1)[0] for i in sample])
+        report["min_cosine"] = float((direct * batched).sum(axis=1).min())
+        if report["min_cosine"] < 0.99999:
+            raise CheckFailed(f"batch vectors differ from /v1/embeddings: min cosine {report['min_cosine']}")
+
+    async def _lock_holder(self, batch_id: str, other_than: Collection[int] = ()) -> int | None:
+        """The process that took the batch's lock (a runner running it), waiting up to 30 s for one not among
+        ``other_than``."""
+        lock = self.batch_directory / "batches" / f"{batch_id}.lock"
+        deadline = time.monotonic() + 30.0
+        while ((pid := flock_holder(lock)) is None or pid in other_than) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return pid
+
+    @staticmethod
+    async def _batch_ended(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+        deadline = time.monotonic() + BATCH_TIMEOUT_S
+        while (batch := await client.batches.retrieve(batch_id)).status not in ("completed", "failed", "expired",
+                                                                                 "cancelled"):
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"batch {batch_id} still {batch.status} after {BATCH_TIMEOUT_S} s")
+            await asyncio.sleep(0.2)
+        return batch
+
     def _spread(self, texts_of: Callable[[str], list[str]]) -> Callable[[str], Awaitable[Outcome]]:
         """An "embed one" for the load generators: each request to the next node's proxy in turn."""
         return spread([functools.partial(_request_texts_of, client, texts_of) for client in self.clients.values()])
@@ -252,13 +382,13 @@ async def _request_texts_of(client: UpstreamClient, texts_of: Callable[[str], li
     return await request(client, texts_of(key))
 
 
-STEPS = ("deploy", "autoscaling", "every_proxy", "node_loss", "replacement")
+STEPS = ("deploy", "autoscaling", "every_proxy", "node_loss", "replacement", "batch_api")
 
 
 async def run_steps(cluster: LocalCluster, report: dict[str, Any]) -> None:
     clients = {node.proxy_port: UpstreamClient(node.proxy_url, model=MODEL, timeout_s=HANG_S)
                for node in cluster.nodes}
-    run = Run(cluster, clients, report)
+    run = Run(cluster, clients, report, cluster.temp_dir / "batch")
     for client in clients.values():
         await client.__aenter__()
     try:

@@ -1,4 +1,5 @@
-"""The shipped cluster config on a two-node Ray cluster: placement, every node's proxy, a lost node, autoscaling.
+"""The shipped cluster config on a two-node Ray cluster: placement, every node's proxy, a lost node, autoscaling, and
+the Batch API on a directory both nodes reach (a batch taken over when its node is lost).
 
 The cluster is started by ``tests.cluster.multinode_check`` in a process of its own (a process can be connected to
 one Ray cluster only, and the rest of the suite shares ``serve_instance``); its JSON report says what each step saw.

@@ -20,6 +20,7 @@ INTENDED_ARG_DIFFERENCES = {
     "models[0].autoscaling.min_replicas",
     "models[0].autoscaling.max_replicas",
     "ingress",
+    "batch",  # storage every node mounts, against one machine's data directory
 }
 
 

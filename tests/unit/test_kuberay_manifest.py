@@ -1,5 +1,6 @@
 """deployments/kuberay/rayservice.yaml: a KubeRay RayService (ray.io/v1) on a CPU-only Ray 2.60.0 / Python 3.11
-image, whose serveConfigV2 is serve_config.cluster.yaml and whose worker pods fit that config's replicas."""
+image, whose serveConfigV2 is serve_config.cluster.yaml and whose worker pods fit that config's replicas, and the
+ReadWriteMany volume every pod mounts as the Batch API's directory."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ KUBERAY = ROOT / "deployments" / "kuberay"
 RAY_IMAGE = "rayproject/ray:2.60.0-py311-cpu"
 
 
+def documents() -> dict[str, dict[str, Any]]:
+    """The file's documents by kind: the RayService and the Batch API's volume claim."""
+    loaded = list(yaml.safe_load_all((KUBERAY / "rayservice.yaml").read_text()))
+    by_kind = {document["kind"]: document for document in loaded}
+    assert len(by_kind) == len(loaded) == 2, sorted(by_kind)
+    return by_kind
+
+
 def manifest() -> dict[str, Any]:
-    (document,) = list(yaml.safe_load_all((KUBERAY / "rayservice.yaml").read_text()))
-    return document
+    return documents()["RayService"]
 
 
 def pod_specs(cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -66,3 +74,15 @@ def test_worker_pods_fit_the_model_replicas_and_mount_the_keys_file() -> None:
     for spec in pod_specs(document["spec"]["rayClusterConfig"]):
         (container,) = spec["containers"]
         assert keys_dir in {mount["mountPath"] for mount in container["volumeMounts"]}
+
+
+def test_every_pod_mounts_one_read_write_many_volume_as_the_batch_directory() -> None:
+    claim = documents()["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every node's ingress reads and writes it
+    (application,) = yaml.safe_load(manifest()["spec"]["serveConfigV2"])["applications"]
+    directory = application["args"]["batch"]["directory"]
+    for spec in pod_specs(manifest()["spec"]["rayClusterConfig"]):
+        (container,) = spec["containers"]
+        (volume,) = [mount["name"] for mount in container["volumeMounts"] if mount["mountPath"] == directory]
+        (source,) = [v for v in spec["volumes"] if v["name"] == volume]
+        assert source["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]

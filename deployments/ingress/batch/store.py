@@ -7,8 +7,12 @@ appended as it finishes: a batch resumes after its journal; removed once its lin
 ``batches/<id>.lock`` (held by the replica running the batch, released by the OS when that process ends); a batch
 relayed to a provider's Batch API adds ``batches/<id>.relay`` (its rounds and provider batches) and
 ``batches/<id>.relay-<part>`` (each part's inputs), removed with its journal. An object
-is written whole to a temporary file and renamed over the old one, so no reader sees half of it. The directory is
-one machine's: ingress replicas on other nodes would each see their own.
+is written whole to a temporary file and renamed over the old one, so no reader sees half of it.
+
+On a cluster the directory is storage every node mounts at the same path, so that the ingress replicas of all nodes
+share it: any of them serves a file or batch another made, and a batch's lock moves to another node's replica when
+the node running it is lost. What the store needs of it is ``flock`` between machines and an atomic rename, with
+close-to-open consistency: NFS v4, CephFS and EFS give them.
 """
 
 from __future__ import annotations
