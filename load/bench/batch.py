@@ -154,7 +154,8 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
                         for b in batches],
             "high_p99_ratio": high["p99_ms"] / calm["p99_ms"] if calm["p99_ms"] and high["p99_ms"] else None}
     if provider is not None:
-        data["night_1"] = {**await _provider_stats(provider, reset=True), "distinct_documents": len(set(documents)),
+        sent = _sent(documents, settings.lines_per_batch, settings.bad_lines)
+        data["night_1"] = {**await _provider_stats(provider, reset=True), "distinct_documents": len(sent),
                            "stream_texts_answered": high["statuses"].get("200", 0) + low["statuses"].get("200", 0)
                            + sum(answer.status == 200 for answer in calm_after)}
         changed = _changed(documents, settings.changed_share)
@@ -162,7 +163,8 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
         again, again_files = await _submit(client, model, changed, settings.lines_per_batch, settings.bad_lines)
         second = await _wait(client, again)
         data["night_2"] = {**await _provider_stats(provider, reset=False), "wall_s": time.perf_counter() - started,
-                           "changed_documents": len(set(changed) - set(documents)),
+                           "changed_documents": len(_sent(changed, settings.lines_per_batch, settings.bad_lines)
+                                                    - sent),
                            "statuses": [b.status for b in second]}
         await _delete(client, again_files, second)
         await provider.close()
@@ -171,10 +173,18 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
     return data
 
 
-def _planted(first: int, end: int, bad_lines: int) -> dict[int, str]:
-    """The bad lines planted in the input file of documents ``first`` to ``end``: position -> kind, spread evenly."""
+def _planted(documents: int, lines_per_batch: int, bad_lines: int) -> dict[int, str]:
+    """The bad lines planted in place of documents, ``bad_lines`` spread evenly over each input file: position ->
+    kind."""
     return {first + (k + 1) * (end - first) // (bad_lines + 1): BAD_KINDS[k % len(BAD_KINDS)]
-            for k in range(bad_lines)}
+            for first in range(0, documents, lines_per_batch)
+            for end in [min(first + lines_per_batch, documents)] for k in range(bad_lines)}
+
+
+def _sent(documents: list[str], lines_per_batch: int, bad_lines: int) -> set[str]:
+    """The distinct documents sent in good lines."""
+    planted = _planted(len(documents), lines_per_batch, bad_lines)
+    return {text for i, text in enumerate(documents) if i not in planted}
 
 
 def _line(model: str, documents: list[str], index: int, bad: str | None) -> bytes:
@@ -190,9 +200,9 @@ async def _submit(client: openai.AsyncOpenAI, model: str, documents: list[str], 
     """The documents' input files, ``bad_lines`` planted in each, uploaded and submitted as batches: the batches'
     ids and the files'."""
     batch_ids, uploaded = [], []
+    planted = _planted(len(documents), lines_per_batch, bad_lines)
     for first in range(0, len(documents), lines_per_batch):
         end = min(first + lines_per_batch, len(documents))
-        planted = _planted(first, end, bad_lines)
         lines = b"".join(_line(model, documents, i, planted.get(i)) + b"\n" for i in range(first, end))
         file = await client.files.create(file=(f"part-{first}.jsonl", io.BytesIO(lines)), purpose="batch")
         uploaded.append(file.id)
@@ -257,8 +267,7 @@ async def _check(client: openai.AsyncOpenAI, model: str, documents: list[str], b
             outputs += [orjson.loads(raw) for raw in content.splitlines()]
         if batch.error_file_id:
             errors += [orjson.loads(raw) for raw in (await client.files.content(batch.error_file_id)).content.splitlines()]
-    planted = {index: kind for first in range(0, len(documents), lines_per_batch)
-               for index, kind in _planted(first, min(first + lines_per_batch, len(documents)), bad_lines).items()}
+    planted = _planted(len(documents), lines_per_batch, bad_lines)
     in_order = [line["custom_id"] for line in outputs] == [f"doc-{i}" for i in range(len(documents))
                                                            if i not in planted]
     # a line that is not JSON has no custom_id to give back
