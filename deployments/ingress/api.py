@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,15 +84,21 @@ def create_api(models: Mapping[str, Any], *, api_keys: ApiKeys | None = None,
     if batch is not None:
         store = BatchStore(batch.path)
 
-        async def embed_line(body: bytes, cached_only: bool, owner: str) -> bytes:
+        def tenant_of(owner: str) -> Tenant:
             tenant = api_keys.tenant(owner)
             if tenant is None:
                 raise PermissionDenied(f"the batch's tenant {owner!r} is no longer in the API keys file")
-            return await routes.embed_body(body, tenant, Priority.LOW, None, cached_only)
+            return tenant
+
+        async def embed_line(body: bytes, cached_only: bool, owner: str) -> bytes:
+            return await routes.embed_body(body, tenant_of(owner), Priority.LOW, None, cached_only)
+
+        async def embed_lines(bodies: Sequence[bytes], cached_only: bool, owner: str) -> list[bytes]:
+            return await routes.embed_bodies(bodies, tenant_of(owner), Priority.LOW, cached_only)
 
         relay = BatchRelay(store, {name: RelayedModel(models[name], config)
                                    for name, config in (relayed or {}).items()}) if relayed else None
-        runner = BatchRunner(store, embed_line, batch, batch_metrics, relay)
+        runner = BatchRunner(store, embed_line, batch, batch_metrics, relay, embed_lines)
     app = FastAPI(title="Embeddings", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=None if runner is None else functools.partial(_running, runner))
     app.add_exception_handler(ServiceError, _service_error)
@@ -203,10 +209,7 @@ class _Routes:
         (its models checked, its limits held, its usage counted): the route's work, and a batch line's
         (``cached_only``: a relayed batch's, answered from the model's cache alone)."""
         body = schemas.parse_request(raw)
-        forwarder = self._models.get(body.model)
-        if forwarder is None:
-            raise self._unknown_model(body.model, param="model")
-        tenant.check_model(body.model)
+        forwarder = self._model_for(body.model, tenant)
         ticket = await self._gate.admit(tenant, body.model, body.input)
         embed = EmbedRequest(body.input, priority, dimensions=body.dimensions, prompt_name=body.prompt_name,
                              input_type=body.input_type, cached_only=cached_only, share=tenant.share)
@@ -218,6 +221,33 @@ class _Routes:
         self._gate.settle(ticket, sum(token_counts))
         self._usage.record(tenant.name, body.model, len(token_counts), sum(token_counts))
         return schemas.embedding_response(body.model, vectors, token_counts, body.encoding_format)
+
+    async def embed_bodies(self, raws: Sequence[bytes], tenant: Tenant, priority: Priority,
+                           cached_only: bool = False) -> list[bytes]:
+        """Request bodies of one input each that differ in nothing else, as one request to their model: each
+        body's response body, as ``embed_body`` would answer it alone (each admitted, settled and counted as its
+        own request); the ``ServiceError`` of any one of them, or of the call, for all of them (a batch's lines
+        travel so: one call for many lines, instead of a call, a response and a turn of both event loops each)."""
+        bodies = [schemas.parse_request(raw) for raw in raws]
+        first = bodies[0]
+        forwarder = self._model_for(first.model, tenant)
+        tickets = [await self._gate.admit(tenant, first.model, body.input) for body in bodies]
+        embed = EmbedRequest([body.input[0] for body in bodies], priority, dimensions=first.dimensions,
+                             prompt_name=first.prompt_name, input_type=first.input_type, cached_only=cached_only,
+                             share=tenant.share)
+        try:
+            vectors, token_counts = await self._embed(forwarder, embed, None)
+        except BaseException:
+            for ticket in tickets:
+                self._gate.settle(ticket, 0)
+            raise
+        answers = []
+        for position, (ticket, tokens) in enumerate(zip(tickets, token_counts)):
+            self._gate.settle(ticket, tokens)
+            self._usage.record(tenant.name, first.model, 1, tokens)
+            answers.append(schemas.embedding_response(first.model, vectors[position:position + 1], [tokens],
+                                                      first.encoding_format))
+        return answers
 
     async def list_models(self, request: Request) -> dict[str, Any]:
         self._api_keys.check(request.headers.get("authorization"))
@@ -239,6 +269,14 @@ class _Routes:
         return JSONResponse({**health, "status": "degraded", "unavailable": down}, status_code=503)
 
     # ---- internals ----------------------------------------------------------------------------------------
+
+    def _model_for(self, model: str, tenant: Tenant) -> ModelForwarder:
+        """The model a request names, if there is one and the tenant may use it."""
+        forwarder = self._models.get(model)
+        if forwarder is None:
+            raise self._unknown_model(model, param="model")
+        tenant.check_model(model)
+        return forwarder
 
     async def _read_body(self, request: Request, deadline: Deadline | None) -> bytes:
         """The body, refused with a 413 as soon as it is known to exceed ``max_body_bytes`` (from Content-Length

@@ -116,6 +116,40 @@ def test_a_line_refused_for_now_is_sent_again_not_failed(tmp_path: Path) -> None
     assert model.requests == [(["busy text"], Priority.LOW)]
 
 
+def test_lines_of_one_text_travel_together_and_each_is_answered_as_its_own_request(service) -> None:
+    model, client, _, _ = service
+    texts = [f"text number {i}" for i in range(12)]
+    content = b"".join(line(f"id{i}", [t] if i % 2 else t) for i, t in enumerate(texts))  # "x" and ["x"] alike
+    content += orjson.dumps({"custom_id": "other", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"model": MODEL, "input": "text number 3", "encoding_format": "base64"}}) + b"\n"
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = wait_for(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                   completion_window="24h").id)
+    assert batch.request_counts.model_dump() == {"total": 13, "completed": 13, "failed": 0}
+    # one call for the twelve lines alike, one for the line asking for another encoding
+    assert sorted(model.requests) == sorted([(texts, Priority.LOW), (["text number 3"], Priority.LOW)])
+    outputs = [orjson.loads(raw) for raw in client.files.content(batch.output_file_id).content.splitlines()]
+    for out, text in zip(outputs, texts):  # each line's body is what /v1/embeddings answers for it alone
+        body = out["response"]["body"]
+        assert [entry["index"] for entry in body["data"]] == [0]
+        assert body["data"][0]["embedding"] == pytest.approx(vector_of(text))
+        assert body["usage"] == {"prompt_tokens": 1, "total_tokens": 1}
+    assert isinstance(outputs[-1]["response"]["body"]["data"][0]["embedding"], str)  # base64
+
+
+def test_a_group_refused_for_now_is_sent_again_together(tmp_path: Path) -> None:
+    model = FakeModel(overloaded={"first": 1})
+    api = create_api({MODEL: model}, batch=BatchConfig(directory=str(tmp_path)))
+    with TestClient(api) as http:
+        client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http, max_retries=0)
+        content = line("a", "first") + line("b", "second") + line("c", "third")
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = wait_for(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                       completion_window="24h").id)
+    assert batch.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}
+    assert model.requests == [(["first", "second", "third"], Priority.LOW)]
+
+
 async def test_a_batch_resumes_after_its_journal_and_never_sends_a_finished_line_again(tmp_path: Path) -> None:
     texts = [f"text {i}" for i in range(10)]
     store = BatchStore(tmp_path)

@@ -30,6 +30,9 @@ class Request(NamedTuple):
     custom_id: str
     body: bytes  # the /v1/embeddings request body, as JSON
     model: str | None  # the model the body names, if it names one as a string
+    # For a body of one text: the rest of the body, as JSON; lines with the same one may travel as one request
+    # (None: the line travels alone)
+    group: bytes | None
 
 
 class Finished(NamedTuple):
@@ -56,8 +59,14 @@ def parse(raw: bytes) -> Request:
         raise LineError("invalid_url", f"the line's 'url' must be {ENDPOINT}, this batch's endpoint")
     if not isinstance(line.get("body"), dict):
         raise LineError("invalid_body", "the line's 'body' must be a JSON object")
-    model = line["body"].get("model")
-    return Request(custom_id, orjson.dumps(line["body"]), model if isinstance(model, str) else None)
+    body = line["body"]
+    model = body.get("model")
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    group = (orjson.dumps({key: value for key, value in body.items() if key != "input"}, option=orjson.OPT_SORT_KEYS)
+             if isinstance(text, str) and isinstance(model, str) else None)
+    return Request(custom_id, orjson.dumps(body), model if isinstance(model, str) else None, group)
 
 
 def custom_id_of(raw: bytes) -> str | None:

@@ -13,6 +13,11 @@ its models, limits, fair share and usage; a tenant no longer in the keys file ha
 Lines for a model that relays batches to its provider (``provider_batches``) are embedded by the provider's Batch
 API first and then answered from the model's cache alone (``relay.py``), in rounds until each is final.
 
+Lines of one text each that differ in nothing else travel together, up to ``LINES_A_CALL`` a call to the model
+(``EmbedLines``), each still admitted, answered and counted as its own request: a call, a response and a turn of both
+event loops for each line would hold the loops that interactive requests also need. A group the model refuses as a
+whole (one bad line, the model lost) is sent again line by line, so each line gets its own outcome.
+
 Every replica runs a runner; a batch runs in whichever replica takes its lock first, and again, after its journal,
 in whichever takes it after that one's process ended: a line finished before is never sent again. A line refused
 for now (the model overloaded, the quota spent, its replica lost) is sent again after its Retry-After; a line the
@@ -24,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import IO, Any, Awaitable, Callable
+from typing import IO, Any, Awaitable, Callable, Sequence
 
 from deployments.config import BatchConfig
 from deployments.errors import NotCached, RetryLater, ServiceError, ServiceUnavailable, UpstreamFailed
@@ -37,8 +42,12 @@ logger = logging.getLogger("ray.serve")
 # a /v1/embeddings request body, whether only the model's cache may answer it, and its tenant -> its response body,
 # sent as LOW
 Embed = Callable[[bytes, bool, str], Awaitable[bytes]]
+# request bodies of one input each that differ in nothing else, whether the cache alone may answer, and their
+# tenant -> each one's response body, from one call to their model (a ServiceError for all of them)
+EmbedLines = Callable[[Sequence[bytes], bool, str], Awaitable[list[bytes]]]
 
 LINES_IN_FLIGHT = 256
+LINES_A_CALL = 64  # lines that travel together in one call to their model, at most
 POLL_S = 1.0  # how often a runner looks for batches to run (and a running batch for a cancel)
 RETRY_S = 1.0  # a line refused for now is sent again after this, or after its Retry-After if longer
 UNAVAILABLE_TRIES = 10  # a line whose model is unavailable this many times in a row is an error line (503)
@@ -61,10 +70,13 @@ class BatchMetrics:
 
 class BatchRunner:
     def __init__(self, store: BatchStore, embed: Embed, config: BatchConfig,
-                 metrics: BatchMetrics | None = None, relay: BatchRelay | None = None) -> None:
-        """``relay``: the models whose lines the provider's Batch API embeds first (None: none)."""
+                 metrics: BatchMetrics | None = None, relay: BatchRelay | None = None,
+                 embed_lines: EmbedLines | None = None) -> None:
+        """``relay``: the models whose lines the provider's Batch API embeds first (None: none); ``embed_lines``:
+        how lines travel together (None: each alone)."""
         self._store = store
         self._embed = embed
+        self._embed_lines = embed_lines
         self._relay = relay
         self._config = config
         self._metrics = metrics if metrics is not None else BatchMetrics()
@@ -205,6 +217,25 @@ class BatchRunner:
         seen: set[str] = set()
         checked, wakes = time.monotonic(), self._wakes
         status = batch["status"]
+        groups: dict[bytes, list[tuple[int, lines.Request]]] = {}  # lines read, not sent yet, by group
+
+        def send(members: list[tuple[int, lines.Request]]) -> None:
+            task = asyncio.ensure_future(self._send_group(batch, members, outcomes, final) if len(members) > 1
+                                         else self._send(batch, *members[0], outcomes, final))
+            in_flight.add(task)
+
+            def sent(task: asyncio.Task) -> None:
+                in_flight.discard(task)
+                for _ in members:
+                    room.release()
+
+            task.add_done_callback(sent)
+
+        def send_groups() -> None:
+            for members in groups.values():
+                send(members)
+            groups.clear()
+
         with self._store.file_path(batch["input_file_id"]).open("rb") as input_lines:
             index = -1
             for raw in input_lines:
@@ -217,6 +248,8 @@ class BatchRunner:
                 if index in done:
                     continue
                 if finished is None:
+                    if room.locked():
+                        send_groups()  # their lines hold the room this one waits for
                     await room.acquire()  # before the status is looked at: a cancel may come while it waits
                 if self._wakes != wakes or time.monotonic() - checked >= POLL_S:
                     checked, wakes = time.monotonic(), self._wakes
@@ -228,9 +261,16 @@ class BatchRunner:
                 if finished is not None:
                     self._record(batch_id, index, finished, outcomes)
                     continue
-                task = asyncio.ensure_future(self._send(batch, index, request, outcomes, final))
-                in_flight.add(task)
-                task.add_done_callback(lambda task: (in_flight.discard(task), room.release()))
+                assert request is not None
+                if request.group is None or self._embed_lines is None:
+                    send([(index, request)])
+                    continue
+                members = groups.setdefault(request.group, [])
+                members.append((index, request))
+                if len(members) == LINES_A_CALL:
+                    send(groups.pop(request.group))
+            if status == "in_progress":
+                send_groups()
         if in_flight:
             await asyncio.gather(*in_flight)
         every_line = len(outcomes) == batch["request_counts"]["total"]
@@ -248,6 +288,26 @@ class BatchRunner:
             return None, lines.unreadable(request.custom_id, error)
         seen.add(request.custom_id)
         return request, None
+
+    async def _send_group(self, batch: dict[str, Any], members: list[tuple[int, lines.Request]],
+                          outcomes: dict[int, bool], final: bool) -> None:
+        """Lines of one group in one call; refused for now, the call is made again after its Retry-After; refused
+        otherwise, each line is sent alone."""
+        assert self._embed_lines is not None
+        relayed = self._relay is not None and self._relay.relays(members[0][1].model)
+        while True:
+            try:
+                bodies = await self._embed_lines([request.body for _, request in members], relayed, owner_of(batch))
+            except RetryLater as error:
+                await asyncio.sleep(max(RETRY_S, error.retry_after_s))
+                continue
+            except ServiceError:
+                await asyncio.gather(*(self._send(batch, index, request, outcomes, final)
+                                       for index, request in members))
+                return
+            for (index, request), body in zip(members, bodies):
+                self._record(batch["id"], index, lines.answered(request.custom_id, body), outcomes)
+            return
 
     async def _send(self, batch: dict[str, Any], index: int, request: lines.Request, outcomes: dict[int, bool],
                     final: bool) -> None:
