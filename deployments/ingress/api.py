@@ -231,13 +231,15 @@ class _Routes:
         bodies = [schemas.parse_request(raw) for raw in raws]
         first = bodies[0]
         forwarder = self._model_for(first.model, tenant)
-        tickets = [await self._gate.admit(tenant, first.model, body.input) for body in bodies]
         embed = EmbedRequest([body.input[0] for body in bodies], priority, dimensions=first.dimensions,
                              prompt_name=first.prompt_name, input_type=first.input_type, cached_only=cached_only,
                              share=tenant.share)
+        tickets = []
         try:
+            for body in bodies:
+                tickets.append(await self._gate.admit(tenant, first.model, body.input))
             vectors, token_counts = await self._embed(forwarder, embed, None)
-        except BaseException:
+        except BaseException:  # one refused, or the call failed: the tokens of those admitted are not spent
             for ticket in tickets:
                 self._gate.settle(ticket, 0)
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import calendar
 import datetime
+import time
 from pathlib import Path
 
 import openai
@@ -123,3 +124,28 @@ def test_at_the_api_a_limited_tenant_gets_429s_with_retry_after_and_ratelimit_he
         client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="sk-b", http_client=http, max_retries=0)
         with pytest.raises(openai.RateLimitError):
             client.embeddings.create(model=MODEL, input="more")
+
+
+def test_a_batch_group_refused_by_its_tenants_budget_gives_back_what_its_admitted_lines_claimed(tmp_path: Path) -> None:
+    from deployments.config import BatchConfig
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"tenants: {{a: {{keys: [{key_hash('sk-a')}], tokens_per_day: 10}}}}")
+    model = FakeModel()
+    api = create_api({MODEL: model}, api_keys=ApiKeys([], path=path), batch=BatchConfig(directory=str(tmp_path)))
+    with TestClient(api) as http:
+        client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="sk-a", http_client=http, max_retries=0)
+        lines = b"".join(b'{"custom_id": "%d", "method": "POST", "url": "/v1/embeddings", '
+                         b'"body": {"model": "%s", "input": "%s"}}\n' % (i, MODEL.encode(), text)
+                         for i, text in enumerate((b"aaaa", b"bbbb", b"cccc")))
+        uploaded = client.files.create(file=("in.jsonl", lines), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        # The three lines travel together and claim 4 tokens each of the day's 10: the third is refused, and the
+        # group waits for the next day; the 8 tokens the first two claimed are the tenant's again meanwhile.
+        deadline = time.monotonic() + 30
+        while (answer := client.batches.retrieve(batch.id)).status == "validating":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # the group's admission, refused
+        assert model.requests == []
+        assert client.embeddings.create(model=MODEL, input="xxxxxxxx").data  # claims 8 of the 10
