@@ -495,7 +495,7 @@ def create_app(config: UpstreamConfig) -> FastAPI:
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
         authorized(request)
-        return batches.retrieve(batch_id, _now())
+        return await batches.retrieve(batch_id, _now())
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:

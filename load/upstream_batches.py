@@ -1,14 +1,16 @@
 """The simulated provider's Batch API: ``/v1/files`` (upload, content) and ``/v1/batches`` (create, retrieve, list,
 cancel) in OpenAI's shapes, for ``/v1/embeddings`` lines.
 
-A batch completes ``batch_delay_s`` after it was created (on the provider's clock), when it is next looked at: each
-line is answered as the real-time route would answer its body, without latency or rate limits, and billed apart
-from real-time calls (``GET /stats``: ``batch``). ``batch_error_rate`` of the lines, spread evenly, fail with a 500
+A batch completes ``batch_delay_s`` after it was created (on the provider's clock), when it is next looked at: it is
+``finalizing`` while each line is answered as the real-time route would answer its body, without latency or rate
+limits, a few hundred lines a turn of the event loop (the real-time route keeps answering meanwhile, as a provider's
+does), and billed apart from real-time calls (``GET /stats``: ``batch``). ``batch_error_rate`` of the lines, spread evenly, fail with a 500
 in the error file, as a provider's batch sometimes does; a line whose body is invalid fails with its 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
 ENDPOINT = "/v1/embeddings"
 FINAL = ("completed", "failed", "expired", "cancelled")
+LINES_PER_TURN = 256
 SERVER_ERROR = {"error": {"message": "The server had an error processing this request.", "type": "server_error",
                           "param": None, "code": None}}
 
@@ -78,10 +81,11 @@ class SimulatedBatches:
             "metadata": metadata, "_created": now}
         return self._shown(self._batches[batch_id])
 
-    def retrieve(self, batch_id: str, now: float) -> dict[str, Any]:
+    async def retrieve(self, batch_id: str, now: float) -> dict[str, Any]:
         batch = self._batch(batch_id)
         if batch["status"] == "in_progress" and now - batch["_created"] >= self._provider.config.batch_delay_s:
-            self._run(batch, now)
+            batch["status"] = "finalizing"  # whoever looks meanwhile sees it so
+            await self._run(batch, now)
         return self._shown(batch)
 
     def list(self, limit: int) -> list[dict[str, Any]]:
@@ -94,10 +98,13 @@ class SimulatedBatches:
             batch.update(status="cancelled", cancelled_at=int(now))
         return self._shown(batch)
 
-    def _run(self, batch: dict[str, Any], now: float) -> None:
-        """Answer every line of the batch's input file, into its output and error files."""
+    async def _run(self, batch: dict[str, Any], now: float) -> None:
+        """Answer every line of the batch's input file, into its output and error files (unless it was cancelled
+        meanwhile)."""
         output, errors = [], []
-        for raw in self.content(batch["input_file_id"]).splitlines():
+        for number, raw in enumerate(self.content(batch["input_file_id"]).splitlines()):
+            if number % LINES_PER_TURN == 0:
+                await asyncio.sleep(0)
             if not raw.strip():
                 continue
             line = orjson.loads(raw)
@@ -117,6 +124,8 @@ class SimulatedBatches:
             self.stats.tokens_billed += tokens
             output.append({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.get("custom_id"),
                            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None})
+        if batch["status"] != "finalizing":
+            return  # cancelled meanwhile
         files = {}
         for kind, written in (("output", output), ("error", errors)):
             if written:
