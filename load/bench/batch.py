@@ -176,9 +176,12 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
 def _planted(documents: int, lines_per_batch: int, bad_lines: int) -> dict[int, str]:
     """The bad lines planted in place of documents, ``bad_lines`` spread evenly over each input file: position ->
     kind."""
-    return {first + (k + 1) * (end - first) // (bad_lines + 1): BAD_KINDS[k % len(BAD_KINDS)]
-            for first in range(0, documents, lines_per_batch)
-            for end in [min(first + lines_per_batch, documents)] for k in range(bad_lines)}
+    planted = {}
+    for first in range(0, documents, lines_per_batch):
+        size = min(lines_per_batch, documents - first)
+        for k in range(bad_lines):
+            planted[first + (k + 1) * size // (bad_lines + 1)] = BAD_KINDS[k % len(BAD_KINDS)]
+    return planted
 
 
 def _sent(documents: list[str], lines_per_batch: int, bad_lines: int) -> set[str]:
