@@ -84,6 +84,7 @@ class Answer:
     status: int  # 0: the connection failed
     latency_s: float
     error: str | None = None  # the start of a failed answer's body (or of the connection error)
+    sent_at: float = 0.0  # when it was sent (time.perf_counter())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +144,7 @@ async def post(session: aiohttp.ClientSession, model: str, kind: str, inputs: li
                 error = content[:300].decode("utf-8", "replace")
     except aiohttp.ClientError as exc:
         status, error = 0, repr(exc)[:300]
-    answer = Answer(kind, status, time.perf_counter() - started, error)
+    answer = Answer(kind, status, time.perf_counter() - started, error, started)
     answers.append(answer)
     return answer
 

@@ -134,7 +134,7 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
         calm = await _stream(session, model, stream_texts, "high", settings.high_rate_per_s, settings.calm_s, None)
         if provider is not None:
             await _provider_stats(provider, reset=True)
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         batch_ids, uploaded = await _submit(client, model, documents, settings.lines_per_batch, settings.bad_lines)
         submitted_s = time.perf_counter() - started
         done = asyncio.Event()
@@ -148,10 +148,12 @@ async def _runs(url: str, documents: list[str], stream_texts: list[str], setting
         # HIGH alone again, on texts neither stream sent: calm is both, so a slow start or a drift moves it less
         calm_after = await _stream(session, model, stream_texts[len(stream_texts) // 2:], "high",
                                    settings.high_rate_per_s, settings.calm_s, None)
+        slowest = _slowest(high, started)
         calm, high, low = summary(calm + calm_after), summary(high), summary(low)
     data = {"calm_high": calm, "high": high, "low": low, "wall_s": wall_s, "submitted_s": submitted_s,
-            "batches": [{"id": b.id, "status": b.status, "request_counts": b.request_counts.model_dump()}
-                        for b in batches],
+            "batches": [{"id": b.id, "status": b.status, "request_counts": b.request_counts.model_dump(),
+                         "phases_s": _phases(b, started_wall)} for b in batches],
+            "high_slowest": slowest,
             "high_p99_ratio": high["p99_ms"] / calm["p99_ms"] if calm["p99_ms"] and high["p99_ms"] else None}
     if provider is not None:
         sent = _sent(documents, settings.lines_per_batch, settings.bad_lines)
@@ -239,6 +241,20 @@ async def _provider_stats(provider: aiohttp.ClientSession, reset: bool) -> dict[
             "batch_lines_failed": stats["batch"]["lines_failed"]}
 
 
+def _slowest(answers: Sequence[Answer], started: float, count: int = 20) -> list[tuple[float, float]]:
+    """The ``count`` slowest answers as (seconds from the batches' submission to the request, its latency ms): where
+    in the batches' run HIGH's tail sits (``phases_s`` says when each batch changed status)."""
+    chosen = sorted(answers, key=lambda answer: answer.latency_s)[-count:]
+    return sorted((round(a.sent_at - started, 2), round(a.latency_s * 1000, 1)) for a in chosen)
+
+
+def _phases(batch: Any, started_wall: float) -> dict[str, float]:
+    """When the batch entered each status, in seconds from the submission (the store's clock is whole seconds)."""
+    stamps = {"in_progress": batch.in_progress_at, "finalizing": batch.finalizing_at,
+              "completed": batch.completed_at}
+    return {status: round(stamp - started_wall, 1) for status, stamp in stamps.items() if stamp}
+
+
 async def _wait(client: openai.AsyncOpenAI, batch_ids: Sequence[str]) -> list[Any]:
     while True:
         batches = [await client.batches.retrieve(batch_id) for batch_id in batch_ids]
@@ -303,6 +319,8 @@ def render(data: dict[str, Any]) -> str:
                             ("LOW beside the batches", data["low"]))])
     batches = ", ".join(f"{b['status']} ({b['request_counts']['completed']:,} of {b['request_counts']['total']:,})"
                         for b in data["batches"])
+    slowest = ", ".join(f"{at:g}: {ms:g}" for at, ms in data["high_slowest"])
+    finalized = ", ".join(f"{b['phases_s'].get('finalizing', '—')}" for b in data["batches"])
     served = ("The service as shipped (`serve run serve_config.yaml`, `serve.env`), the local all-MiniLM-L6-v2 on this "
               "machine's CPUs.")
     relayed = ""
@@ -338,5 +356,6 @@ in order (but the {check['planted']} bad lines planted): {check['in_order_once_e
 {streams}
 {relayed}
 HIGH P99 beside the batches / alone: {fmt(ratio, 2)}× (target ≤ {TARGET_HIGH_P99_RATIO:g}×): \
-{"met" if met else "**not met**"}.
+{"met" if met else "**not met**"}. The {len(data['high_slowest'])} slowest HIGH answers beside the batches (seconds \
+from the submission: ms): {slowest}; the batches finalized at {finalized} s.
 """

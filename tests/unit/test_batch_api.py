@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from deployments.config import BatchConfig
 from deployments.ingress.api import create_api
 from deployments.ingress.batch import runner as runner_module
 from deployments.ingress.batch.runner import BatchMetrics, BatchRunner
+from deployments.ingress.batch import store as store_module
 from deployments.ingress.batch.store import BatchStore
 
 from .batch_fakes import MODEL, FakeModel, HeldModel, vector_of
@@ -213,6 +215,42 @@ def test_a_cancelled_batch_stops_sending_and_keeps_what_finished(tmp_path: Path,
         assert [orjson.loads(raw)["custom_id"] for raw in kept] == ["1", "2"]
         refused = http.post(f"/v1/batches/{created.id}/cancel")
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_batchs_disk_work_that_takes_as_long_as_the_disk_runs_off_the_event_loop(service, monkeypatch) -> None:
+    """An upload copied, a journal synced, an output synced, a journal and a file freed: on the event loop, each would
+    hold every interactive request of the replica for as long as the disk takes (a batch's output is hundreds of
+    megabytes)."""
+    monkeypatch.setattr(store_module, "SYNC_EVERY_S", 0.0)  # the journal synced at every line
+    done: list[tuple[str, str, bool]] = []  # (what, the file, whether it ran on an event loop)
+    real_fsync, real_unlink = os.fsync, Path.unlink
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def fsync(descriptor: int) -> None:
+        done.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}"), on_loop()))
+        real_fsync(descriptor)
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        done.append(("unlink", str(path), on_loop()))
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    _, client, _, _ = service
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(line("a", "one") + line("b", "two"))), purpose="batch")
+    batch = wait_for(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                   completion_window="24h").id)
+    client.files.delete(batch.output_file_id)
+    big = [(what, path) for what, path, _ in done if ".data" in path or ".journal" in path]
+    assert {(what, kind) for what, path in big for kind in (".data", ".journal") if kind in path} == {
+        ("fsync", ".data"), ("fsync", ".journal"), ("unlink", ".data"), ("unlink", ".journal")}
+    assert not [(what, path) for what, path, looped in done if looped and (".data" in path or ".journal" in path)]
 
 
 def test_every_refusal_is_a_4xx_in_openais_error_shape(service) -> None:

@@ -9,6 +9,7 @@ its lines run as that tenant (``runner.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
 
 import orjson
@@ -64,8 +65,9 @@ class BatchRoutes:
             if not isinstance(upload, UploadFile):
                 raise InvalidRequest("'file' must be an uploaded file", param="file")
             try:
-                return _shown(self._store.add_file(upload.filename or "upload.jsonl", purpose, upload.file, limit,
-                                                   tenant.name))
+                # copied and synced to the disk on a thread: a file of many megabytes would hold the event loop
+                return _shown(await asyncio.to_thread(self._store.add_file, upload.filename or "upload.jsonl",
+                                                      purpose, upload.file, limit, tenant.name))
             except TooLarge:
                 raise PayloadTooLarge(f"the file exceeds the {limit}-byte limit", param="file") from None
 
@@ -82,7 +84,7 @@ class BatchRoutes:
 
     async def delete_file(self, file_id: str, request: Request) -> dict[str, Any]:
         self._file(file_id, self._tenant(request))
-        if not self._store.delete_file(file_id):
+        if not await asyncio.to_thread(self._store.delete_file, file_id):  # a batch's output is large to free
             raise _no_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 

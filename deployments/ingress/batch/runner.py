@@ -147,7 +147,7 @@ class BatchRunner:
             if batch is None or batch["status"] in FINAL:
                 return  # finished by the replica that held the lock before this one looked
             if batch["status"] == "validating":
-                batch = self._validate(batch_id)
+                batch = await self._validate(batch_id)
             while batch["status"] in ("in_progress", "cancelling"):
                 final = batch["status"] == "cancelling" or not await self._relay_round(batch)
                 batch = await self._send_lines(batch, final)  # a relayed line the round did not embed waits
@@ -165,7 +165,7 @@ class BatchRunner:
 
     # ---- the states ---------------------------------------------------------------------------------------------
 
-    def _validate(self, batch_id: str) -> dict[str, Any]:
+    async def _validate(self, batch_id: str) -> dict[str, Any]:
         batch = self._store.batch(batch_id)
         assert batch is not None
         path = self._store.file_path(batch["input_file_id"])
@@ -175,7 +175,10 @@ class BatchRunner:
             problem = ("invalid_input_file", f"the input file {batch['input_file_id']} no longer exists")
         else:
             with path.open("rb") as input_lines:
-                total = sum(1 for raw in input_lines if raw.strip())
+                for count, raw in enumerate(input_lines, 1):
+                    total += bool(raw.strip())
+                    if count % LINES_PER_TURN == 0:
+                        await asyncio.sleep(0)
             if total == 0:
                 problem = ("empty_file", "the input file has no lines")
             elif total > self._config.max_lines:
@@ -383,7 +386,7 @@ class BatchRunner:
             batch[stamp] = batch.get(stamp) or now
 
         self._store.update_batch(batch_id, finalized)
-        self._store.drop_journal(batch_id)  # its lines are in the files now, once the status says so
+        await self._store.drop_journal(batch_id)  # its lines are in the files now, once the status says so
         self._store.drop_relay(batch_id)
 
     def _sweep(self) -> None:

@@ -109,7 +109,7 @@ class BatchStore:
                 if count % LINES_PER_TURN == 0:
                     await asyncio.sleep(0)
             out.flush()
-            os.fsync(out.fileno())
+            await asyncio.to_thread(os.fsync, out.fileno())  # a batch's output is large: its flush takes long
         return self._describe_file(file_id, filename, purpose, size, owner)
 
     def _describe_file(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict[str, Any]:
@@ -229,7 +229,7 @@ class BatchStore:
         journal.flush()
         now = time.monotonic()
         if now - self._synced.get(batch_id, 0.0) >= SYNC_EVERY_S:
-            os.fsync(journal.fileno())
+            _sync_apart(journal)
             self._synced[batch_id] = now
 
     def close_journal(self, batch_id: str) -> None:
@@ -238,9 +238,10 @@ class BatchStore:
             journal.close()
         self._synced.pop(batch_id, None)
 
-    def drop_journal(self, batch_id: str) -> None:
+    async def drop_journal(self, batch_id: str) -> None:
         self.close_journal(batch_id)
-        (self._batches / f"{_safe(batch_id)}.journal").unlink(missing_ok=True)
+        # a batch's journal holds all its output: freeing that much disk takes a while
+        await asyncio.to_thread((self._batches / f"{_safe(batch_id)}.journal").unlink, missing_ok=True)
 
     def lock(self, batch_id: str) -> IO[bytes] | None:
         """The batch's lock, held until the returned file is closed; None if another process holds it."""
@@ -256,6 +257,25 @@ class BatchStore:
 def _safe(object_id: str) -> str:
     """An id as a file name: never a path out of the store."""
     return object_id if object_id.replace("-", "").replace("_", "").isalnum() else "-invalid-"
+
+
+def _sync_apart(out: IO[bytes]) -> None:
+    """``out``'s data to the disk, from a thread when called on an event loop: an fsync of what a batch wrote in a
+    second would hold the loop, and the interactive requests it serves, for as long as the disk takes. The thread
+    syncs a copy of the descriptor, so the file may be closed meanwhile."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        os.fsync(out.fileno())
+        return
+    loop.run_in_executor(None, _sync_and_close, os.dup(out.fileno()))
+
+
+def _sync_and_close(descriptor: int) -> None:
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _write_json(path: Path, value: Any) -> None:
