@@ -30,6 +30,7 @@ from deployments.config import DEFAULT_MAX_BODY_BYTES, BatchConfig, ProviderBatc
 from deployments.errors import (BodyReadTimeout, InvalidRequest, MethodNotAllowed, ModelNotFound, ModelOverloaded,
                                 PayloadTooLarge, PermissionDenied, RequestTimedOut, RouteNotFound, ServiceError,
                                 ServiceUnavailable, unwrap)
+from deployments.garbage_collection import collect_less_often
 from deployments.ingress import schemas
 from deployments.ingress.auth import ApiKeys, Tenant
 from deployments.ingress.tenant_gate import RayLimiter, TenantGate, TenantLimiter
@@ -162,6 +163,7 @@ class EmbeddingsApi:
 class EmbeddingsIngress:
     def __init__(self, models: Mapping[str, DeploymentHandle], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  batch: BatchConfig | None = None, relayed: Mapping[str, ProviderBatchConfig] | None = None) -> None:
+        collect_less_often()
         api_keys = ApiKeys.from_env()
         limiter, ledger = RayLimiter(serve.get_replica_context().app_name), RayUsageLedger()
         if api_keys.names_tenants:  # their actors start with the replica, not within its first requests

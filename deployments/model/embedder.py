@@ -21,6 +21,7 @@ from deployments.autoscaling import QUEUE_DEPTH_METRIC
 from deployments.config import ModelConfig
 from deployments.errors import (InvalidRequest, ModelOverloaded, RequestTimedOut, ServiceError, ServiceUnavailable,
                                 UpstreamFailed, UpstreamRateLimited)
+from deployments.garbage_collection import collect_less_often
 from deployments.model.backends import EmbeddingBackend, ItemRejected, Prepared, UpstreamError, make_backend
 from deployments.model.backends.prompts import UnknownPrompt
 from deployments.model.batched import BatchedBackend
@@ -51,6 +52,7 @@ class EmbeddingModel:
         ``clock`` is the quota's, the event loop's (``time.monotonic``, or a test's controlled clock). ``usage``
         counts each tenant's tokens answered from the cache and billed upstream (default: to Ray Serve's metrics and
         the application's ledger where ``metrics`` is, else nowhere)."""
+        collect_less_often()
         self._model = model
         self._backend = backend if backend is not None else make_backend(model)
         # an upstream model's calls claim the provider's quota first (deployments/model/quota/); its answers update it
