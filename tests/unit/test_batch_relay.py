@@ -16,12 +16,15 @@ import numpy as np
 import openai
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from batching import BatcherConfig, BatcherMetrics
 from deployments.config import BatchConfig, CacheConfig, ModelConfig, ProviderBatchConfig
 from deployments.ingress.api import create_api
 from deployments.ingress.batch.store import BatchStore
+from deployments.model.backends import provider_batches as provider_batches_module
 from deployments.model.backends.provider_batches import ProviderBatches
 from deployments.model.embedder import EmbeddingModel
 from load.hashvec import hash_embedding
@@ -188,3 +191,13 @@ async def test_a_part_submitted_again_under_its_tag_gets_the_provider_batch_made
     assert [float(vector @ hash_embedding(text, DIM)) > 0.99999 for vector, text in zip(polled.vectors, "abc")] \
         == [True] * 3
     assert made == 2
+
+
+@given(lines=st.lists(st.binary(max_size=40).map(lambda raw: raw.replace(b"\n", b"")), max_size=12),
+       cuts=st.lists(st.integers(min_value=0, max_value=600), max_size=10), ends_with_newline=st.booleans())
+def test_a_provider_output_downloaded_in_chunks_reads_as_the_same_lines_wherever_the_chunks_cut(
+        lines: list[bytes], cuts: list[int], ends_with_newline: bool) -> None:
+    content = b"\n".join(lines) + (b"\n" if ends_with_newline and lines else b"")
+    bounds = sorted({0, len(content), *(cut for cut in cuts if cut < len(content))})
+    chunks = [content[start:end] for start, end in zip(bounds, bounds[1:])]
+    assert [line for line in provider_batches_module._lines(chunks) if line] == [line for line in lines if line]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Awaitable, Callable, NamedTuple, ParamSpec, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Iterator, NamedTuple, ParamSpec, Sequence, TypeVar
 
 import numpy as np
 import openai
@@ -86,9 +86,11 @@ class ProviderBatches:
             return Polled(batch.status, False, [])
         vectors: list[np.ndarray | None] = [None] * count
         if batch.output_file_id:
-            content = (await self._client.files.content(batch.output_file_id)).content
-            # a provider batch's output runs to hundreds of megabytes: read on a thread, the replica's loop serves on
-            await asyncio.to_thread(self._read_output, content, vectors, per_line)
+            # a provider batch's output runs to hundreds of megabytes: it is downloaded a chunk a turn and never joined
+            # (a join holds the loop while it copies them all), and read on a thread, the replica's loop serving on
+            async with self._client.files.with_streaming_response.content(batch.output_file_id) as response:
+                chunks = [chunk async for chunk in response.iter_bytes()]
+            await asyncio.to_thread(self._read_output, chunks, vectors, per_line)
         return Polled(batch.status, True, vectors)
 
     @_provider_errors
@@ -116,9 +118,10 @@ class ProviderBatches:
         return b"\n".join(lines) + b"\n"
 
     @staticmethod
-    def _read_output(content: bytes, vectors: list[np.ndarray | None], per_line: int) -> None:
-        """Each output line's vectors into their inputs' places; a line that is not a success leaves them None."""
-        for raw in content.splitlines():
+    def _read_output(chunks: Iterable[bytes], vectors: list[np.ndarray | None], per_line: int) -> None:
+        """Each output line's vectors (the file in ``chunks``) into their inputs' places; a line that is not a
+        success leaves them None."""
+        for raw in _lines(chunks):
             if raw.strip():
                 ProviderBatches._read_line(raw, vectors, per_line)
 
@@ -135,3 +138,16 @@ class ProviderBatches:
         except (ValueError, KeyError, TypeError, IndexError):  # a line not in the provider's shape embeds nothing
             return
         vectors[start:start + expected] = list(matrix)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of the file whose content is ``chunks`` in order (a line may span several), without their ends."""
+    pending = bytearray()
+    for chunk in chunks:
+        pending += chunk
+        end = pending.rfind(b"\n")
+        if end >= 0:
+            yield from bytes(pending[:end]).split(b"\n")
+            del pending[:end + 1]
+    if pending:
+        yield bytes(pending)
