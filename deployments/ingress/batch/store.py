@@ -31,8 +31,11 @@ from deployments.usage import DEFAULT_TENANT
 
 COPY_CHUNK_BYTES = 1 << 20
 # Lines read or written between turns of the ingress's event loop: a batch's 50,000 lines (hundreds of megabytes of
-# output) in one go hold the loop, and with it every interactive request, for a good part of a second.
+# output) in one go hold the loop, and with it every interactive request, for a good part of a second. Output lines
+# are large (a vector of 384 floats as JSON is ~8 KB), so where they are read or written a turn also ends after
+# BYTES_PER_TURN: an interactive request waits for at most one such turn at each of its steps through the loop.
 LINES_PER_TURN = 256
+BYTES_PER_TURN = 256 * 1024
 SYNC_EVERY_S = 1.0  # the journal reaches the disk at least this often: a reboot redoes at most this much work
 OWNER = "owner"  # a file's or batch's tenant, kept in its object beside OpenAI's fields (and never shown)
 
@@ -99,15 +102,15 @@ class BatchStore:
                              owner: str = DEFAULT_TENANT) -> dict[str, Any]:
         """A file the service writes (a batch's output or errors), from ``lines``; written again under the same id
         if it was written before (a batch finalized again after a crash). The event loop runs between each
-        ``LINES_PER_TURN`` lines (on a thread instead, each request the loop serves would wait for the GIL at every
-        step)."""
+        ``LINES_PER_TURN`` lines or ``BYTES_PER_TURN`` bytes (on a thread instead, each request the loop serves
+        would wait for the GIL at every step)."""
         size = 0
+        turns = _Turns()
         with (self._files / f"{file_id}.data").open("wb") as out:
-            for count, line in enumerate(lines, 1):
+            for line in lines:
                 out.write(line)
                 size += len(line)
-                if count % LINES_PER_TURN == 0:
-                    await asyncio.sleep(0)
+                await turns.after(len(line))
             out.flush()
             await asyncio.to_thread(os.fsync, out.fileno())  # a batch's output is large: its flush takes long
         return self._describe_file(file_id, filename, purpose, size, owner)
@@ -192,22 +195,22 @@ class BatchStore:
     async def journal(self, batch_id: str, *, repair: bool = False) -> dict[int, Entry]:
         """The finished lines of a batch, by index. A last line cut short by a crash is not one; with ``repair`` (the
         runner resuming the batch, before it appends) it is cut off the file, so the next line starts on its own.
-        The event loop runs between each ``LINES_PER_TURN`` lines."""
+        The event loop runs between each ``LINES_PER_TURN`` lines or ``BYTES_PER_TURN`` bytes."""
         path = self._batches / f"{_safe(batch_id)}.journal"
         done: dict[int, Entry] = {}
         if not path.exists():
             return done
         offset = 0
+        turns = _Turns()
         with path.open("rb") as journal:
-            for count, line in enumerate(journal, 1):
+            for line in journal:
                 if not line.endswith(b"\n"):
                     break
                 index, ok, _ = line.split(b" ", 2)
                 start = offset + len(index) + len(ok) + 2
                 done[int(index)] = Entry(ok == b"1", start, offset + len(line) - 1 - start)
                 offset += len(line)
-                if count % LINES_PER_TURN == 0:
-                    await asyncio.sleep(0)
+                await turns.after(len(line))
         if repair and path.stat().st_size > offset:
             os.truncate(path, offset)
         return done
@@ -257,6 +260,22 @@ class BatchStore:
 def _safe(object_id: str) -> str:
     """An id as a file name: never a path out of the store."""
     return object_id if object_id.replace("-", "").replace("_", "").isalnum() else "-invalid-"
+
+
+class _Turns:
+    """Where a loop reads or writes a batch's lines: a turn of the event loop after every ``LINES_PER_TURN`` lines or
+    ``BYTES_PER_TURN`` bytes, whichever comes first."""
+
+    def __init__(self) -> None:
+        self._lines = self._bytes = 0
+
+    async def after(self, size: int) -> None:
+        """A line of ``size`` bytes was read or written."""
+        self._lines += 1
+        self._bytes += size
+        if self._lines >= LINES_PER_TURN or self._bytes >= BYTES_PER_TURN:
+            self._lines = self._bytes = 0
+            await asyncio.sleep(0)
 
 
 def _sync_apart(out: IO[bytes]) -> None:
