@@ -11,7 +11,7 @@ else of the project's. ``--device cpu`` runs it on the CPU (the unit test does, 
 
 What is timed, on both sides: texts in, float32 vectors out, tokenizing included. ``encode(texts, batch_size=n)``
 tokenizes, sorts by length and pads each batch of n; ours is the service's word-piece tokenizer then
-``engines.embed_sequences``, bucketed by length into calls of at most ``max_call_tokens(device)`` padded positions.
+``engines.embed_sequences``, cut by length into calls as ``call_shape(device)`` says.
 Ours is also timed from word-piece ids, which is what a replica's model thread does (its tokenizer thread has
 prepared each request as it arrived). A call embeds n texts of the pool, the next call the next n; each cell runs
 warm-up calls, then calls until both ``--min-calls`` and ``--min-seconds``, and reports the median call's texts/s.
@@ -60,7 +60,7 @@ class Settings:
     warmup_calls: int = 3
     min_calls: int = 10
     min_seconds: float = 0.3
-    max_call_tokens: int | None = None  # None: engines.max_call_tokens(device)
+    max_call_tokens: int | None = None  # None: engines.call_shape(device)'s
 
 
 def length_mixes(count: int) -> dict[str, list[str]]:
@@ -121,11 +121,19 @@ def pack_fp16(model_dir: Path, target: Path) -> Path:
     return target
 
 
+def call_shape_of(settings: Settings) -> Any:
+    """How ours cuts its engine calls on the device: the device's way, with ``max_call_tokens`` if set."""
+    from deployments.model.backends.engines import call_shape
+
+    shape = call_shape(settings.device)
+    return shape._replace(max_tokens=settings.max_call_tokens) if settings.max_call_tokens else shape
+
+
 class Sides:
     """Ours and sentence-transformers', one precision, on one device; each turns a list of texts into vectors."""
 
     def __init__(self, model_dir: Path, precision: str, settings: Settings) -> None:
-        from deployments.model.backends.engines import default_threads, make_engine, max_call_tokens
+        from deployments.model.backends.engines import default_threads, make_engine
         from deployments.model.backends.model_dir import ModelDir
         from deployments.model.backends.wordpieces import BoundedTokenizer
 
@@ -134,14 +142,14 @@ class Sides:
                                            lowercase=self.model.do_lower_case)
         self.engine = make_engine("torch", self.model, threads=default_threads(), device=settings.device,
                                   precision=precision)
-        self.max_call_tokens = settings.max_call_tokens or max_call_tokens(settings.device)
+        self.call_shape = call_shape_of(settings)
         self.reference = sentence_transformer(model_dir, settings.device, precision)
 
     def ours_from_ids(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         from deployments.model.backends.engines import embed_sequences
 
         return embed_sequences(self.engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
-                               self.max_call_tokens)
+                               self.call_shape)
 
     def ours(self, texts: Sequence[str]) -> np.ndarray:
         return self.ours_from_ids(self.wordpieces.encode_many(list(texts)))
@@ -271,11 +279,9 @@ def _yes(met: bool) -> str:
 
 
 def run(model_dir: Path, settings: Settings, out: Path) -> dict[str, Any]:
-    from deployments.model.backends.engines import max_call_tokens
-
     results = measure(model_dir, settings)
     data = {"settings": asdict(settings), "model_dir": str(model_dir), "weights_dtype": weights_dtype(model_dir),
-            "max_call_tokens": settings.max_call_tokens or max_call_tokens(settings.device),
+            "max_call_tokens": call_shape_of(settings).max_tokens,
             "device": device_info(settings.device), "results": results,
             "verdicts": verdicts(results)}
     return write_report(f"engine_{settings.device}", "The local model's engine alone against sentence-transformers",

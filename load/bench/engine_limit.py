@@ -2,8 +2,7 @@
 this machine, measured beside the servers (``python -m load.bench peers`` runs it in each repeat).
 
 The benchmark's own texts, tokenized ahead (tokenizing is a server's work, not the engine's), in the service's engine
-calls (like-length texts, at most ``CHUNK_TOKENS`` padded positions a call, as ``engines.engine_calls`` cuts a
-batch), in a few arrangements of ONNX Runtime sessions: one one-thread session a core, side by side, taking calls from
+calls (like-length texts, cut as ``engines.engine_calls`` cuts a batch), in a few arrangements of ONNX Runtime sessions: one one-thread session a core, side by side, taking calls from
 one queue, cut from batches of 64 and of 8 texts; and one session on every core. The best of them is the limit.
 """
 
@@ -37,7 +36,7 @@ def arrangements(cores: int) -> list[Arrangement]:
 
 def measure(texts: Sequence[str], cores: int | None = None, repeats: int = 1) -> dict[str, Any]:
     """Each arrangement's texts/s and CPU ms a text (this process's), and the best texts/s."""
-    from deployments.model.backends.engines import embed_call, engine_calls, make_engine, max_call_tokens
+    from deployments.model.backends.engines import call_shape, embed_call, engine_calls, make_engine
     from deployments.model.backends.model_dir import ModelDir, packaged_model_path
     from deployments.model.backends.wordpieces import BoundedTokenizer
 
@@ -49,7 +48,7 @@ def measure(texts: Sequence[str], cores: int | None = None, repeats: int = 1) ->
     for arrangement in arrangements(cores):
         engines = [make_engine("onnx", model, threads=arrangement.threads) for _ in range(arrangement.sessions)]
         batches = [sequences[i:i + arrangement.batch] for i in range(0, len(sequences), arrangement.batch)]
-        calls = [(batch, call) for batch in batches for call in engine_calls(batch, max_call_tokens("cpu"))]
+        calls = [(batch, call) for batch in batches for call in engine_calls(batch, call_shape("cpu"))]
         for engine in engines:  # a first call sizes an engine's buffers
             embed_call(engine, *calls[0], tokenizer.pad_id, model.left_padding)
         runs = []

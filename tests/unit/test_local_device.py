@@ -1,17 +1,21 @@
 """The local model's ``device``, ``precision`` and ``num_gpus`` (no Ray, no GPU): checked at start-up naming the
-field, the GPU reserved for the replica, a clear refusal where torch sees no GPU, the length bucketing with a GPU's
-call budget, and the device-aware torch engine equal to the plain one on the CPU in fp32."""
+field, the GPU reserved for the replica, a clear refusal where torch sees no GPU, the engine calls cut by length on a CPU and
+a GPU, and the device-aware torch engine equal to the plain one on the CPU in fp32."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deployments.config import ConfigError, parse_app_config
 from deployments.model.backends import make_backend
-from deployments.model.backends.engines import (CHUNK_TOKENS, CUDA_CHUNK_TOKENS, embed_sequences, length_buckets,
-                                                make_engine, max_call_tokens)
+from deployments.model.backends.engines import (CHUNK_TOKENS, CUDA_CHUNK_TOKENS, CallShape, call_shape,
+                                                embed_sequences, engine_calls, make_engine)
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.torch_engine import TorchEngine, load_embedder
 from deployments.model.backends.wordpieces import BoundedTokenizer
@@ -105,17 +109,42 @@ def test_the_onnx_engine_refuses_any_device_but_the_cpu() -> None:
 
 
 def test_a_gpu_call_holds_far_more_padded_positions() -> None:
-    assert (max_call_tokens("cpu"), max_call_tokens("cuda")) == (CHUNK_TOKENS, CUDA_CHUNK_TOKENS)
+    cpu, cuda = call_shape("cpu"), call_shape("cuda")
+    assert (cpu.max_tokens, cuda.max_tokens) == (CHUNK_TOKENS, CUDA_CHUNK_TOKENS)
     full = [[1] * 256] * 65
-    assert [len(b) for b in length_buckets(list(range(65)), full, CUDA_CHUNK_TOKENS)] == [64, 1]
-    assert [len(b) for b in length_buckets(list(range(65)), full, CHUNK_TOKENS)] == [1] * 65
-    lengths = [3, 5, 5, 9, 40, 41, 100, 250, 300]  # ascending, as embed_sequences sorts them
+    assert [len(call) for call in engine_calls(full, cuda)] == [64, 1]
+    assert [len(call) for call in engine_calls(full, cpu)] == [1] * 65
+
+
+def test_a_cpu_cuts_a_batch_of_mixed_lengths_into_calls_of_like_lengths() -> None:
+    sequences = [[1] * n for n in (40, 10, 40, 10, 40, 10, 40, 10)]
+    # As few calls as the chunk allows would pad four short texts to 40 beside two long ones: 6 x 40 + 2 x 40.
+    assert engine_calls(sequences, call_shape("cpu")) == [[1, 3, 5, 7], [0, 2, 4, 6]]  # 4 x 10 + 4 x 40
+    assert engine_calls(sequences, call_shape("cuda")) == [[1, 3, 5, 7, 0, 2, 4, 6]]  # a GPU call's launch costs more
+    assert engine_calls([[1] * 30] * 8, call_shape("cpu")) == [list(range(8))]  # nothing to save: one call
+
+
+def _cost(calls: list[list[int]], lengths: list[int], shape: CallShape) -> int:
+    return sum(shape.overhead_tokens + len(call) * max(lengths[i] for i in call) for call in calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(1, 120), min_size=1, max_size=9),
+       shape=st.builds(CallShape, st.sampled_from([64, 256, 1024, 16384]), st.integers(0, 300)))
+def test_engine_calls_are_the_cheapest_cut_of_the_sorted_batch(lengths: list[int], shape: CallShape) -> None:
     sequences = [[1] * n for n in lengths]
-    for budget in (64, 256, 1024, 16384):
-        buckets = length_buckets(list(range(len(lengths))), sequences, budget)
-        assert sum(buckets, []) == list(range(len(lengths)))  # every sequence once, in order
-        assert all(len(b) * lengths[b[-1]] <= budget or len(b) == 1 for b in buckets)
-    assert length_buckets(list(range(len(lengths))), sequences, 16384) == [list(range(len(lengths)))]
+    calls = engine_calls(sequences, shape)
+    assert sorted(sum(calls, [])) == list(range(len(lengths)))  # every sequence once
+    assert all(len(call) * lengths[call[-1]] <= shape.max_tokens or len(call) == 1 for call in calls)
+    assert all(lengths[a] <= lengths[b] for call in calls for a, b in zip(call, call[1:]))  # longest last
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    every_cut = (
+        [order[a:b] for a, b in zip((0, *ends), (*ends, len(order)))]
+        for count in range(len(order))
+        for ends in itertools.combinations(range(1, len(order)), count))
+    allowed = [cut for cut in every_cut
+               if all(len(call) * lengths[call[-1]] <= shape.max_tokens or len(call) == 1 for call in cut)]
+    assert _cost(calls, lengths, shape) == min(_cost(cut, lengths, shape) for cut in allowed)
 
 
 class RecordingEngine:
@@ -129,11 +158,11 @@ class RecordingEngine:
 
 def test_embed_sequences_calls_the_engine_within_the_budget_and_keeps_the_order() -> None:
     sequences = [[7] * n for n in (120, 4, 60, 4, 200, 30)] * 8
-    for budget, calls in ((CHUNK_TOKENS, None), (CUDA_CHUNK_TOKENS, 1)):
+    for shape, calls in ((call_shape("cpu"), None), (call_shape("cuda"), 1)):
         engine = RecordingEngine()
-        vectors = embed_sequences(engine, sequences, pad_id=0, max_tokens=budget)
+        vectors = embed_sequences(engine, sequences, pad_id=0, shape=shape)
         assert vectors[:, 0].tolist() == [len(s) for s in sequences]  # row i is sequence i's
-        assert all(rows * length <= budget or rows == 1 for rows, length in engine.shapes)
+        assert all(rows * length <= shape.max_tokens or rows == 1 for rows, length in engine.shapes)
         assert calls is None or len(engine.shapes) == calls
 
 
@@ -158,10 +187,10 @@ def test_the_device_aware_engine_in_fp32_on_the_cpu_is_the_plain_module(minilm) 
     model, wordpieces = minilm
     ids = wordpieces.encode_many(["a short text", "a somewhat longer text about batching " * 5, "x"])
     engine, plain = TorchEngine(model, threads=1, device="cpu", precision="fp32"), PlainEngine(model)
-    for budget in (CHUNK_TOKENS, CUDA_CHUNK_TOKENS):
-        ours = embed_sequences(engine, ids, wordpieces.pad_id, max_tokens=budget)
+    for shape in (call_shape("cpu"), call_shape("cuda")):
+        ours = embed_sequences(engine, ids, wordpieces.pad_id, shape=shape)
         assert ours.dtype == np.float32
-        assert np.array_equal(ours, embed_sequences(plain, ids, wordpieces.pad_id, max_tokens=budget))
+        assert np.array_equal(ours, embed_sequences(plain, ids, wordpieces.pad_id, shape=shape))
 
 
 def test_a_reduced_precision_engine_returns_float32_vectors_close_to_fp32(minilm) -> None:

@@ -10,23 +10,38 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from deployments.model.backends.model_dir import ModelDir
 
 # Padded positions in one model call (about 10 inputs of 25 word pieces, 1 of 256). Small calls keep the activations
-# in the core's cache (2 MB of L2 here) and pad each run of sorted lengths to a closer maximum, so a CPU spends its
-# time on the texts rather than on padding and memory traffic; a larger chunk or one call per batch costs more per
-# text. Packing several texts into one row with a block-diagonal attention mask pads nothing, but the mask makes each
-# row's attention as wide as the whole row, which costs more than the padding it saves.
+# in the core's cache (2 MB of L2 here); a larger chunk or one call per batch costs more per text. Packing several
+# texts into one row with a block-diagonal attention mask pads nothing, but the mask makes each row's attention as
+# wide as the whole row, which costs more than the padding it saves.
 CHUNK_TOKENS = 256
 # On a GPU one call's rows run in parallel and each call costs a fixed launch and copy overhead, so a call should hold
 # as many texts as the batch brings: 16384 positions are 64 texts of 256 word pieces (MiniLM's longest), a few
 # hundred MB of activations for a MiniLM-sized model, far below any GPU's memory. load/gpu_bench.py --max-call-tokens
 # tries others.
 CUDA_CHUNK_TOKENS = 16384
+# What a call costs beyond its padded positions, counted in positions: what cutting a call in two must save in padding
+# to pay. On a CPU a position costs about the same in a call of any size, and a call's own work (starting its
+# operators, handing it to a core's thread and back) costs what a few positions do, so a batch of mixed lengths is
+# cheapest cut into several calls of like lengths rather than as few calls as the chunk allows
+# (``load/bench/engine_limit.py`` measures both on the benchmark's texts). On a GPU a call's positions cost next to
+# nothing beside its launch: it is cut only where the chunk forces it.
+CALL_OVERHEAD_TOKENS = 8
+CUDA_CALL_OVERHEAD_TOKENS = CUDA_CHUNK_TOKENS
+
+
+class CallShape(NamedTuple):
+    """How a device's engine calls are cut from a batch: at most ``max_tokens`` padded positions a call (or one
+    sequence), each call costing ``overhead_tokens`` positions beyond its own."""
+
+    max_tokens: int = CHUNK_TOKENS
+    overhead_tokens: int = CALL_OVERHEAD_TOKENS
 
 
 class EngineInterrupted(Exception):
@@ -54,9 +69,9 @@ def default_threads() -> int:
     return min(int(reserved), cores) if reserved.isdigit() and int(reserved) >= 1 else cores
 
 
-def max_call_tokens(device: str) -> int:
-    """The padded positions one model call on ``device`` (cpu, cuda) holds."""
-    return CUDA_CHUNK_TOKENS if device == "cuda" else CHUNK_TOKENS
+def call_shape(device: str) -> CallShape:
+    """How the engine calls on ``device`` (cpu, cuda) are cut."""
+    return CallShape(CUDA_CHUNK_TOKENS, CUDA_CALL_OVERHEAD_TOKENS) if device == "cuda" else CallShape()
 
 
 def make_engine(
@@ -80,19 +95,14 @@ def make_engine(
 
 
 def embed_sequences(engine: Engine, sequences: Sequence[Sequence[int]], pad_id: int,
-                    left_padding: bool = False, max_tokens: int = CHUNK_TOKENS) -> np.ndarray:
-    """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``; each engine call holds at
-    most ``max_tokens`` padded positions (or one sequence)."""
+                    left_padding: bool = False, shape: CallShape = CallShape()) -> np.ndarray:
+    """float32 ``[len(sequences), dimension]``: row i is the vector of ``sequences[i]``, in engine calls cut as
+    ``shape`` says."""
     rows: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
-    for call in engine_calls(sequences, max_tokens):
+    for call in engine_calls(sequences, shape):
         for i, vector in zip(call, embed_call(engine, sequences, call, pad_id, left_padding)):
             rows[i] = vector
     return np.stack(rows).astype(np.float32, copy=False) if rows else np.empty((0, 0), np.float32)
-
-
-def engine_calls(sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """The engine calls that embed ``sequences``: each call's indices, of like length, within ``max_tokens``."""
-    return length_buckets(sorted(range(len(sequences)), key=lambda i: len(sequences[i])), sequences, max_tokens)
 
 
 def embed_call(engine: Engine, sequences: Sequence[Sequence[int]], call: list[int], pad_id: int,
@@ -108,12 +118,30 @@ def embed_call(engine: Engine, sequences: Sequence[Sequence[int]], call: list[in
     return engine.run(input_ids, attention_mask)
 
 
-def length_buckets(order: list[int], sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """``order`` (ascending length) cut into runs whose padded size stays within ``max_tokens``."""
-    chunks: list[list[int]] = []
-    for i in order:
-        if chunks and (len(chunks[-1]) + 1) * len(sequences[i]) <= max_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
+def engine_calls(sequences: Sequence[Sequence[int]], shape: CallShape) -> list[list[int]]:
+    """The engine calls that embed ``sequences`` at the least cost: each call's indices, of ascending length, padded to
+    its longest, within ``shape.max_tokens`` positions (or one sequence), each call costing its padded positions plus
+    ``shape.overhead_tokens``. Sorted by length, the cheapest cut is found exactly (each prefix's cheapest cut is the
+    cheapest over where its last call starts), in at most as many steps as the batch's sequences times the most a
+    call holds."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    lengths = [len(sequences[i]) for i in order]
+    cheapest = [0] * (len(order) + 1)  # of the first n sequences
+    last_start = [0] * (len(order) + 1)  # where the last call of that cheapest cut starts
+    for end in range(1, len(order) + 1):
+        width = lengths[end - 1]
+        best, best_start = cheapest[end - 1] + shape.overhead_tokens + width, end - 1
+        for start in range(end - 2, -1, -1):
+            size = end - start
+            if size * width > shape.max_tokens:
+                break
+            cost = cheapest[start] + shape.overhead_tokens + size * width
+            if cost < best:
+                best, best_start = cost, start
+        cheapest[end], last_start[end] = best, best_start
+    calls: list[list[int]] = []
+    end = len(order)
+    while end:
+        calls.append(order[last_start[end]:end])
+        end = last_start[end]
+    return calls[::-1]

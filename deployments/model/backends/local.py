@@ -30,8 +30,8 @@ import numpy as np
 from deployments.model import tokens
 from deployments.model.backends.base import EmbeddingBackend, Item, ItemRejected, Prepared
 from deployments.model.backends.engine_pool import EnginePool
-from deployments.model.backends.engines import (Engine, default_threads, embed_call, embed_sequences, engine_calls,
-                                                make_engine, max_call_tokens)
+from deployments.model.backends.engines import (Engine, call_shape, default_threads, embed_call, embed_sequences,
+                                                engine_calls, make_engine)
 from deployments.model.backends.model_dir import ModelDir, packaged_model_path
 from deployments.model.backends.prompts import Prompts
 from deployments.model.backends.wordpieces import BoundedTokenizer
@@ -77,7 +77,7 @@ class LocalBackend(EmbeddingBackend):
         self.wordpieces = BoundedTokenizer(self.model.tokenizer_file, self.model.max_seq_length,
                                            lowercase=self.model.do_lower_case)
         self.threads = threads or default_threads()
-        self.max_call_tokens = max_call_tokens(device)
+        self.call_shape = call_shape(device)
 
         def build(threads: int) -> Engine:
             return make_engine(engine, self.model, threads=threads, device=device, precision=precision,
@@ -164,7 +164,7 @@ class LocalBackend(EmbeddingBackend):
         with the calls of other batches in flight, yielding the cores to theirs if ``background``
         (``EnginePool.run``)."""
         pad_id, left = self.wordpieces.pad_id, self.model.left_padding
-        calls = engine_calls(sequences, self.max_call_tokens)
+        calls = engine_calls(sequences, self.call_shape)
         computed = await self.pool.run([functools.partial(embed_call, sequences=sequences, call=call, pad_id=pad_id,
                                                           left_padding=left) for call in calls], background)
         vectors: list[np.ndarray] = [np.empty(0, np.float32)] * len(sequences)
@@ -175,7 +175,7 @@ class LocalBackend(EmbeddingBackend):
 
     def _embed_now(self, engine: Engine, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         return list(embed_sequences(engine, sequences, self.wordpieces.pad_id, self.model.left_padding,
-                                    self.max_call_tokens))
+                                    self.call_shape))
 
     def _shortened(self, vectors: Sequence[np.ndarray], dimensions: int) -> list[np.ndarray]:
         """The first ``dimensions`` values of each vector, of unit length again if the model normalises."""
