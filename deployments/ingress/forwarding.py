@@ -3,8 +3,11 @@ together, in one streaming handle call to ``EmbeddingModel.embed_many``, which s
 
 A handle call costs both replicas about a millisecond of CPU whatever it carries, and on a small machine that, not
 the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
-leaves at the end of the turn it arrived in. Inside the model every request keeps its own priority, deadline and
-outcome, and since each answer streams back on its own, no request waits for another of its call.
+leaves at the end of the turn it arrived in. Under load the requests come a few at a time (the clients of a batch
+just answered send their next ones), each in a turn of its own, so while many requests are in flight to the model
+the next call waits ``GATHER_S`` for the ones arriving behind its first. Inside the model every request keeps its
+own priority, deadline and outcome, and since each answer streams back on its own, no request waits for another of
+its call.
 
 Embedding is a pure function, so a request whose replica was lost before it answered (the actor died, its node
 went, it was stopped) is sent again, to whichever replica Serve picks next, with what is left of its deadline:
@@ -22,6 +25,11 @@ from deployments.ingress.replica_loss import loss_cause
 from deployments.wire import Deadline, EmbedRequest
 
 RESENDS = 2  # times a request follows its replica's loss to another one
+# While this many of the model's requests from this ingress are unanswered, the model is busy: a request arriving then
+# would wait in its queue (behind the batches running, or for its batch to fill) for milliseconds anyway, so its call
+# waits this long for the requests arriving behind it. Few enough in flight, a call leaves in its first request's turn.
+GATHER_FROM = 8
+GATHER_S = 0.002
 
 _Waiter = tuple[EmbedRequest, Deadline | None, asyncio.Future]
 OnResend = Callable[[str, int], None]  # (the cause of the loss, how many requests were sent again)
@@ -33,6 +41,7 @@ class ModelForwarder:
         self._on_resend = on_resend
         self._pending: list[_Waiter] = []
         self._deliveries: set[asyncio.Task] = set()
+        self._unanswered = 0
 
     def forward(self, request: EmbedRequest, deadline: Deadline | None = None) -> asyncio.Future:
         """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with. Each time
@@ -42,9 +51,17 @@ class ModelForwarder:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
-            loop.call_soon(self._flush)
+            if self._unanswered >= GATHER_FROM:
+                loop.call_later(GATHER_S, self._flush)
+            else:
+                loop.call_soon(self._flush)
         self._pending.append((request, deadline, future))
+        self._unanswered += 1
+        future.add_done_callback(self._answered)
         return future
+
+    def _answered(self, _: asyncio.Future) -> None:
+        self._unanswered -= 1
 
     def _flush(self) -> None:
         group, self._pending = self._pending, []

@@ -7,7 +7,7 @@ from typing import Callable
 
 import pytest
 
-from deployments.ingress.forwarding import ModelForwarder
+from deployments.ingress.forwarding import GATHER_FROM, GATHER_S, ModelForwarder
 from deployments.wire import Deadline, EmbedRequest
 
 pytestmark = pytest.mark.looptime
@@ -52,6 +52,30 @@ async def test_requests_of_one_turn_share_one_call_and_each_answer_arrives_when_
     later = forwarder.forward(EmbedRequest(["later"]))
     assert await later == "vectors of later" and await slow == "vectors of slow"
     assert handle.calls == [["slow", "quick"], ["later"]]
+
+
+async def test_while_many_requests_are_in_flight_the_next_call_waits_for_those_arriving_behind_its_first():
+    busy = [f"busy {i}" for i in range(GATHER_FROM)]
+    handle = StreamingHandle({**dict.fromkeys(busy, 1.0), "a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0})
+    forwarder = ModelForwarder(handle)
+    in_flight = [forwarder.forward(EmbedRequest([text])) for text in busy]
+    await asyncio.sleep(0.1)
+    arrivals = {"a": 0.0, "b": GATHER_S / 2, "c": GATHER_S * 0.9, "d": GATHER_S * 1.5}
+    answers = {text: asyncio.ensure_future(_forward_after(forwarder, text, at)) for text, at in arrivals.items()}
+    await asyncio.gather(*answers.values())
+    assert handle.calls[1:] == [["a", "b", "c"], ["d"]]  # d came after the call had left
+    assert answers["a"].result() == (GATHER_S, "vectors of a")  # the first waited the whole window, no more
+    await asyncio.gather(*in_flight)
+    assert (await _forward_after(forwarder, "e", 0.0))[0] == 0.0  # nothing in flight: it leaves in its own turn
+
+
+async def _forward_after(forwarder: ModelForwarder, text: str, delay_s: float) -> tuple[float, str]:
+    """How long the request waited from its arrival (``delay_s`` from now) for its answer, and the answer."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(delay_s)
+    arrived = loop.time()
+    answer = await forwarder.forward(EmbedRequest([text]))
+    return round(loop.time() - arrived, 6), answer
 
 
 async def test_the_call_is_cancelled_once_every_request_of_it_gave_up():
