@@ -20,14 +20,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from batching import Priority
 from deployments.errors import ServiceUnavailable
 from deployments.ingress.replica_loss import loss_cause
 from deployments.wire import Deadline, EmbedRequest
 
 RESENDS = 2  # times a request follows its replica's loss to another one
-# While this many of the model's requests from this ingress are unanswered, the model is busy: a request arriving then
-# would wait in its queue (behind the batches running, or for its batch to fill) for milliseconds anyway, so its call
-# waits this long for the requests arriving behind it. Few enough in flight, a call leaves in its first request's turn.
+# While this many of the model's requests of a priority from this ingress are unanswered, the model is busy with that
+# priority's work: a request of it arriving then would wait in the model's queue (behind the batches running, or for
+# its batch to fill) for milliseconds anyway, so its call waits this long for the requests arriving behind it. A
+# request of a priority with fewer in flight (a HIGH one beside a LOW flood) leaves in its own turn, and takes along
+# whatever was gathering.
 GATHER_FROM = 8
 GATHER_S = 0.002
 
@@ -41,7 +44,8 @@ class ModelForwarder:
         self._on_resend = on_resend
         self._pending: list[_Waiter] = []
         self._deliveries: set[asyncio.Task] = set()
-        self._unanswered = 0
+        self._unanswered: dict[Priority | str, int] = {}  # by priority
+        self._gathering: asyncio.TimerHandle | None = None  # the pending call's wait, while it gathers
 
     def forward(self, request: EmbedRequest, deadline: Deadline | None = None) -> asyncio.Future:
         """A future of the request's outcome: its ``(vectors, token_counts)``, or the error it failed with. Each time
@@ -50,20 +54,26 @@ class ModelForwarder:
         call, once every request of the call gave up)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self._pending:
-            if self._unanswered >= GATHER_FROM:
-                loop.call_later(GATHER_S, self._flush)
-            else:
-                loop.call_soon(self._flush)
+        priority = request.priority
+        unanswered = self._unanswered.get(priority, 0)
+        if unanswered >= GATHER_FROM:
+            if not self._pending:
+                self._gathering = loop.call_later(GATHER_S, self._flush)
+        elif not self._pending or self._gathering is not None:  # the call leaves at the end of this turn
+            if self._gathering is not None:
+                self._gathering.cancel()
+                self._gathering = None
+            loop.call_soon(self._flush)
         self._pending.append((request, deadline, future))
-        self._unanswered += 1
-        future.add_done_callback(self._answered)
+        self._unanswered[priority] = unanswered + 1
+        future.add_done_callback(lambda _: self._answered(priority))
         return future
 
-    def _answered(self, _: asyncio.Future) -> None:
-        self._unanswered -= 1
+    def _answered(self, priority: Priority | str) -> None:
+        self._unanswered[priority] -= 1
 
     def _flush(self) -> None:
+        self._gathering = None
         group, self._pending = self._pending, []
         live = _live(group)
         if live:

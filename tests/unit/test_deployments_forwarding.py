@@ -7,6 +7,7 @@ from typing import Callable
 
 import pytest
 
+from batching import Priority
 from deployments.ingress.forwarding import GATHER_FROM, GATHER_S, ModelForwarder
 from deployments.wire import Deadline, EmbedRequest
 
@@ -58,7 +59,7 @@ async def test_while_many_requests_are_in_flight_the_next_call_waits_for_those_a
     busy = [f"busy {i}" for i in range(GATHER_FROM)]
     handle = StreamingHandle({**dict.fromkeys(busy, 1.0), "a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0})
     forwarder = ModelForwarder(handle)
-    in_flight = [forwarder.forward(EmbedRequest([text])) for text in busy]
+    in_flight = [forwarder.forward(EmbedRequest([text], Priority.HIGH)) for text in busy]
     await asyncio.sleep(0.1)
     arrivals = {"a": 0.0, "b": GATHER_S / 2, "c": GATHER_S * 0.9, "d": GATHER_S * 1.5}
     answers = {text: asyncio.ensure_future(_forward_after(forwarder, text, at)) for text, at in arrivals.items()}
@@ -69,12 +70,26 @@ async def test_while_many_requests_are_in_flight_the_next_call_waits_for_those_a
     assert (await _forward_after(forwarder, "e", 0.0))[0] == 0.0  # nothing in flight: it leaves in its own turn
 
 
-async def _forward_after(forwarder: ModelForwarder, text: str, delay_s: float) -> tuple[float, str]:
+async def test_a_high_request_beside_many_low_ones_in_flight_leaves_in_its_own_turn_with_those_gathering():
+    busy = [f"busy {i}" for i in range(GATHER_FROM)]
+    handle = StreamingHandle({**dict.fromkeys(busy, 1.0), "low": 0.0, "high": 0.0})
+    forwarder = ModelForwarder(handle)
+    in_flight = [forwarder.forward(EmbedRequest([text], Priority.LOW)) for text in busy]
+    await asyncio.sleep(0.1)
+    low = asyncio.ensure_future(_forward_after(forwarder, "low", 0.0, Priority.LOW))
+    high = asyncio.ensure_future(_forward_after(forwarder, "high", GATHER_S / 4))
+    assert (await high)[0] == 0.0 and (await low)[0] == GATHER_S / 4  # the gathering LOW one went along
+    assert handle.calls[1:] == [["low", "high"]]
+    await asyncio.gather(*in_flight)
+
+
+async def _forward_after(forwarder: ModelForwarder, text: str, delay_s: float,
+                         priority: Priority = Priority.HIGH) -> tuple[float, str]:
     """How long the request waited from its arrival (``delay_s`` from now) for its answer, and the answer."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(delay_s)
     arrived = loop.time()
-    answer = await forwarder.forward(EmbedRequest([text]))
+    answer = await forwarder.forward(EmbedRequest([text], priority))
     return round(loop.time() - arrived, 6), answer
 
 
