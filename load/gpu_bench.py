@@ -33,12 +33,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from load.bench.report import add_results_dir_argument, markdown_table, write_report
 from load.workload import pseudo_sentences
+
+if TYPE_CHECKING:  # imported where used: this module runs without the service's own imports
+    from deployments.model.backends.engines import CallShape
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 # Mean characters of a text: about 10, 50 and 200 words of the workload's vocabulary (5.5 characters a word).
@@ -121,7 +124,7 @@ def pack_fp16(model_dir: Path, target: Path) -> Path:
     return target
 
 
-def call_shape_of(settings: Settings) -> Any:
+def call_shape_of(settings: Settings) -> CallShape:
     """How ours cuts its engine calls on the device: the device's way, with ``max_call_tokens`` if set."""
     from deployments.model.backends.engines import call_shape
 

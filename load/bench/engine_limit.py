@@ -2,8 +2,9 @@
 this machine, measured beside the servers (``python -m load.bench peers`` runs it in each repeat).
 
 The benchmark's own texts, tokenized ahead (tokenizing is a server's work, not the engine's), in the service's engine
-calls (like-length texts, cut as ``engines.engine_calls`` cuts a batch), in a few arrangements of ONNX Runtime sessions: one one-thread session a core, side by side, taking calls from
-one queue, cut from batches of 64 and of 8 texts; and one session on every core. The best of them is the limit.
+calls (like-length texts, cut as ``engines.engine_calls`` cuts a batch), in a few arrangements of ONNX Runtime
+sessions: one one-thread session a core, side by side, taking calls from one queue, cut from batches of 64 and of 8
+texts; and one session on every core. The best of them is the limit.
 """
 
 from __future__ import annotations

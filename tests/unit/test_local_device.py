@@ -1,6 +1,6 @@
 """The local model's ``device``, ``precision`` and ``num_gpus`` (no Ray, no GPU): checked at start-up naming the
-field, the GPU reserved for the replica, a clear refusal where torch sees no GPU, the engine calls cut by length on a CPU and
-a GPU, and the device-aware torch engine equal to the plain one on the CPU in fp32."""
+field, the GPU reserved for the replica, a clear refusal where torch sees no GPU, the engine calls cut by length on a
+CPU and a GPU, and the device-aware torch engine equal to the plain one on the CPU in fp32."""
 
 from __future__ import annotations
 
