@@ -8,8 +8,10 @@ provider's quota in play but far from binding: the entry's ``limits:`` at 10^8 R
 process reporting those limits in its ``x-ratelimit-*`` headers: what the quota costs while it does not bind),
 ``adaptive-tenants`` (the same behind a keys file of 1,000 tenants, the load one tenant's, limited far above it;
 ``adaptive-tenants-unlimited``: the same application, the load a tenant's with no limits),
-``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items or 25 ms), and ``unbatched``
-(``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added by batching). Single-text requests, closed loop at concurrency 1, 16, 64,
+``serve.batch`` (the same backend behind Ray Serve's ``@serve.batch``, 200 items or 25 ms), ``unbatched``
+(``AdaptiveBatcher`` with max_batch 1 and no wait: the service path with nothing added by batching), and two floors
+of Ray Serve's own cost, with none of this project's code (``serve_floor``: the ingress answering by itself, and
+through a handle call a request). Single-text requests, closed loop at concurrency 1, 16, 64,
 interleaved and repeated; every vector is checked against its text's hash. The upstream's own latency is measured
 by calling it directly, one text at a time.
 
@@ -50,6 +52,7 @@ from load.workload import pseudo_sentences
 from .harness import add_common_arguments
 from .options import chosen_settings
 from .report import markdown_table, write_report
+from .serve_floor import floor_app
 from .serving import SIM_BATCHING, SIM_MODEL, UNBATCHED, Target, compare_over_http, sim_model_entry, upstream_totals
 from .shipped_service import (SERVICE_ENV, TENANT_KEY, TENANTS, UNLIMITED_TENANT_KEY, packaged_model_path, serve_run,
                               write_many_tenants)
@@ -63,6 +66,8 @@ TENANTS_VARIANT = "adaptive-tenants"
 # The load of each tenants' variant: the key it sends, to the one application behind the keys file
 TENANT_LOADS = {TENANTS_VARIANT: TENANT_KEY, f"{TENANTS_VARIANT}-unlimited": UNLIMITED_TENANT_KEY}
 CPU_PARTS = ("ingress", "model replica", "the rest")
+INGRESSES = ("EmbeddingsIngress", "FloorIngress")  # an application's ingress deployment, by its class
+FLOORS = {"serve-floor-http": False, "serve-floor-call": True}  # Serve's own path: with a handle call a request?
 
 
 @serve.deployment
@@ -137,6 +142,7 @@ def applications(root_url: str, limited_url: str,
         "adaptive-limits": (build_app, {"models": [{**sim_model_entry(f"{limited_url}/v1"), "limits": FAR_LIMITS}]}),
         "serve-batch": (serve_batch_app, {"models": [sim_model_entry(base_url)]}),
         "unbatched": (build_app, {"models": [sim_model_entry(base_url, **UNBATCHED)]}),
+        **{label: (floor_app, {"dim": UpstreamConfig().dim, "call": call}) for label, call in FLOORS.items()},
     }
     if tenants_keys is not None:
         variants[TENANTS_VARIANT] = (build_app, {"models": [sim_model_entry(base_url)], "ingress": {
@@ -245,7 +251,8 @@ def service_cpu(app: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     replica, and the rest of the service (HAProxy, Ray's own processes, the idle variants)."""
     def part(run: dict[str, Any]) -> dict[str, float]:
         cpu = run.get("cpu_ms_per_request", {})
-        ingress = sum(ms for group, ms in cpu.items() if group.endswith(f":{app}:EmbeddingsIngress"))
+        ingress = sum(ms for group, ms in cpu.items()
+                      if f"ServeReplica:{app}:" in group and group.rsplit(":", 1)[-1] in INGRESSES)
         model = sum(ms for group, ms in cpu.items() if f"ServeReplica:{app}:" in group) - ingress
         return {"ingress": ingress, "model replica": model, "the rest": sum(cpu.values()) - ingress - model}
 
@@ -302,7 +309,7 @@ from binding (adaptive-limits) costs {100 * data['target_limits_cost']['cost']:.
 {_tenants_line(data["tenants_cost"])}
 
 The service's CPU ms a request (each process's CPU time over a variant's runs, from /proc, by the texts it served;
-medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants).
+medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants). The two `serve-floor` variants hold none of this project's code (`load/bench/serve_floor.py`): a bare ASGI ingress that answers each request itself (`-http`), or through one handle call a request to a second deployment (`-call`, its CPU under "model replica"); they answer at once, so their texts/s is Serve's path's own, not a gateway's, and their CPU is what Ray Serve costs a request by itself.
 
 {cpu}
 """

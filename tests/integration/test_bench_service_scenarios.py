@@ -20,7 +20,7 @@ def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(ser
         data = e2e.measure(serve_instance.url, root_url, limited_url, upstream, e2e.QUICK, tmp_path)
     assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e.json").exists()
     for row in data["rows"].values():
-        assert set(row) == {"adaptive", "adaptive-limits", "serve-batch", "unbatched", "direct"}
+        assert set(row) == {"adaptive", "adaptive-limits", "serve-batch", "unbatched", *e2e.FLOORS, "direct"}
         for cell in row.values():
             assert cell["errors"] == 0 and cell["mismatches"] == 0 and cell["items_per_s"] > 0
         assert row["unbatched"]["mean_batch_size"] == 1.0  # counted at the upstream: one call a text
