@@ -52,7 +52,7 @@ from load.workload import pseudo_sentences
 from .harness import add_common_arguments
 from .options import chosen_settings
 from .report import markdown_table, write_report
-from .serve_floor import floor_app
+from .serve_floor import FloorIngress, floor_app
 from .serving import SIM_BATCHING, SIM_MODEL, UNBATCHED, Target, compare_over_http, sim_model_entry, upstream_totals
 from .shipped_service import (SERVICE_ENV, TENANT_KEY, TENANTS, UNLIMITED_TENANT_KEY, packaged_model_path, serve_run,
                               write_many_tenants)
@@ -66,7 +66,7 @@ TENANTS_VARIANT = "adaptive-tenants"
 # The load of each tenants' variant: the key it sends, to the one application behind the keys file
 TENANT_LOADS = {TENANTS_VARIANT: TENANT_KEY, f"{TENANTS_VARIANT}-unlimited": UNLIMITED_TENANT_KEY}
 CPU_PARTS = ("ingress", "model replica", "the rest")
-INGRESSES = ("EmbeddingsIngress", "FloorIngress")  # an application's ingress deployment, by its class
+INGRESSES = ("EmbeddingsIngress", FloorIngress.name)  # an application's ingress deployment
 FLOORS = {"serve-floor-http": False, "serve-floor-call": True}  # Serve's own path: with a handle call a request?
 
 
@@ -251,9 +251,9 @@ def service_cpu(app: str, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     replica, and the rest of the service (HAProxy, Ray's own processes, the idle variants)."""
     def part(run: dict[str, Any]) -> dict[str, float]:
         cpu = run.get("cpu_ms_per_request", {})
-        ingress = sum(ms for group, ms in cpu.items()
-                      if f"ServeReplica:{app}:" in group and group.rsplit(":", 1)[-1] in INGRESSES)
-        model = sum(ms for group, ms in cpu.items() if f"ServeReplica:{app}:" in group) - ingress
+        replicas = [(group.rsplit(":", 1)[-1], ms) for group, ms in cpu.items() if f"ServeReplica:{app}:" in group]
+        ingress = sum(ms for deployment, ms in replicas if deployment in INGRESSES)
+        model = sum(ms for _, ms in replicas) - ingress
         return {"ingress": ingress, "model replica": model, "the rest": sum(cpu.values()) - ingress - model}
 
     parts = [part(run) for run in runs if run.get("cpu_ms_per_request")]
@@ -309,7 +309,11 @@ from binding (adaptive-limits) costs {100 * data['target_limits_cost']['cost']:.
 {_tenants_line(data["tenants_cost"])}
 
 The service's CPU ms a request (each process's CPU time over a variant's runs, from /proc, by the texts it served;
-medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants). The two `serve-floor` variants hold none of this project's code (`load/bench/serve_floor.py`): a bare ASGI ingress that answers each request itself (`-http`), or through one handle call a request to a second deployment (`-call`, its CPU under "model replica"); they answer at once, so their texts/s is Serve's path's own, not a gateway's, and their CPU is what Ray Serve costs a request by itself.
+medians): its ingress replica, its model replica, and the rest (HAProxy, Ray's own processes, the idle variants). \
+The two `serve-floor` variants hold none of this project's code (`load/bench/serve_floor.py`): a bare ASGI ingress \
+that answers each request itself (`-http`), or through one handle call a request to a second deployment (`-call`, \
+its CPU under "model replica"); they answer at once, so their texts/s is Serve's path's own, not a gateway's, and \
+their CPU is what Ray Serve costs a request by itself.
 
 {cpu}
 """

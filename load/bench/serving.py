@@ -10,7 +10,6 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache, partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
@@ -134,7 +133,7 @@ def deployed(proxy_url: str, apps: Mapping[str, Any], model: str) -> Iterator[li
     try:
         for label, app in apps.items():
             serve.run(app, name=label, route_prefix=f"/{label}")
-        yield [Target(label, f"{proxy_url}/{label}", partial(_batch_totals, f"embed-{model}", label)) for label in apps]
+        yield [Target(label, f"{proxy_url}/{label}", _batch_totals(f"embed-{model}", label)) for label in apps]
     finally:
         for label in apps:
             serve.delete(label)
@@ -188,17 +187,20 @@ async def compare_over_http(
     return runs
 
 
-async def _batch_totals(deployment: str, app: str) -> tuple[int, int]:
-    stats = await _handle(deployment, app).stats.remote()
-    return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
-
-
-@cache
-def _handle(deployment: str, app: str) -> Any:
-    """The deployment's handle, made when first asked for: an app may have no such deployment (nothing asks it)."""
+def _batch_totals(deployment: str, app: str) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """The batches and items ``app``'s ``deployment`` has sent so far; its handle is made when first asked for (an
+    app may have no such deployment, and then nothing asks)."""
     from ray import serve
 
-    return serve.get_deployment_handle(deployment, app_name=app)
+    handle = None
+
+    async def totals() -> tuple[int, int]:
+        nonlocal handle
+        handle = handle or serve.get_deployment_handle(deployment, app_name=app)
+        stats = await handle.stats.remote()
+        return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
+
+    return totals
 
 
 async def upstream_totals(root_url: str) -> tuple[int, int]:
