@@ -2,7 +2,8 @@
 
 Servers: ``service`` (this project as shipped: ``serve run serve_config.yaml``, on a free port), ``fastapi-plain`` (FastAPI +
 uvicorn encoding inline, no batching), ``infinity-torch`` and ``infinity-onnx`` (infinity-emb, batch size 32),
-``mosec`` and ``litserve`` (request batching, 32 per batch, 10 ms wait); the peers' launch code is in
+``mosec`` and ``litserve`` (request batching, 32 per batch, 10 ms wait), and ``service@<git revision>`` (the service as
+shipped at that commit: ``service_at.py``, a change's before and after in one run); the peers' launch code is in
 ``load/peers/``, each peer in its own virtualenv under ``--peers-dir``, installed on first use. One at a time, each
 server is started, warmed, measured and stopped before the next starts; with ``--repeats`` the order rotates and the
 table shows medians with the range of texts/s.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ from . import engine_limit
 from .harness import code_version, rotated, version_line
 from .options import chosen_settings
 from .report import markdown_table, write_report
+from .service_at import PREFIX, names_a_commit, service_at
 from .shipped_service import MODEL, SERVICE, SERVICES_WITH_TENANTS, packaged_model_path
 
 SERVERS: dict[str, Server] = {SERVICE.name: SERVICE, **PEERS, **{server.name: server for server in SERVICES_WITH_TENANTS}}
@@ -108,17 +111,24 @@ class TargetClient(UpstreamClient):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="interleaved repeats, rotating the order (default 1)")
     parser.add_argument("--servers", default=",".join(SERVERS),
-                        help=f"comma-separated servers to run (default all: {','.join(SERVERS)})")
+                        help=f"comma-separated servers to run (default all: {','.join(SERVERS)}), and "
+                             f"{PREFIX}<git revision> for the service at another commit")
     parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
                         help=f"where the peers' virtualenvs live (default {DEFAULT_PEERS_DIR})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = chosen_settings(args, Settings(), QUICK)
     names = [name.strip() for name in args.servers.split(",") if name.strip()]
-    if unknown := [name for name in names if name not in SERVERS]:
-        raise SystemExit(f"unknown servers {unknown}; choose from {list(SERVERS)}")
-    servers = [SERVERS[name] for name in names]
+    if unknown := [name for name in names if name not in SERVERS and not names_a_commit(name)]:
+        raise SystemExit(f"unknown servers {unknown}; choose from {list(SERVERS)} or {PREFIX}<git revision>")
+    with contextlib.ExitStack() as commits:
+        servers = [commits.enter_context(service_at(name)) if names_a_commit(name) else SERVERS[name]
+                   for name in names]
+        return _run(args, servers)
+
+
+def _run(args: argparse.Namespace, servers: Sequence[Server]) -> dict[str, Any]:
+    settings = chosen_settings(args, Settings(), QUICK)
     model = packaged_model_path()
     about = {s.name: {"versions": s.prepare(args.peers_dir), "batching": dict(s.batching), "encoding": s.encoding,
                       "route": s.route} for s in servers}
@@ -263,6 +273,7 @@ def render(settings: Settings, about: Mapping[str, dict[str, Any]], rows: Mappin
     probes = (f"Cosines per probe where one is below 0.999 (the last probe is longer than the model's 256-token "
               f"window, where sentence-transformers truncates): {'; '.join(low)}.") if low else ""
     limit = render_limit(engine, rows, names) if engine else ""
+    against = render_against_commits(rows, names)
     cpu = render_cpu(rows, names)
     load = "; ".join(f"{level.name}: {level.requests:,} requests of {level.texts} text(s) from {level.concurrency} "
                      "caller(s)" for level in settings.levels)
@@ -278,6 +289,8 @@ lowest cosine of a server's vector to sentence-transformers' (torch) computed in
 
 {table}
 
+{against}
+
 {limit}
 
 {cpu}
@@ -286,6 +299,27 @@ lowest cosine of a server's vector to sentence-transformers' (torch) computed in
 
 {servers}
 """
+
+
+def render_against_commits(rows: Mapping[str, dict[str, Any]], names: Sequence[str]) -> str:
+    """The service beside itself at other commits (``service@<rev>`` rows): its texts/s and P50 over theirs."""
+    if SERVICE.name not in rows:
+        return ""
+    now = rows[SERVICE.name]["levels"]
+    before = {name: row["levels"] for name, row in rows.items() if names_a_commit(name)}
+    if not before:
+        return ""
+    table = markdown_table(
+        ["service over", *(f"{name} texts/s (P50)" for name in names)],
+        [[name, *(f"{now[level]['texts_per_s'] / levels[level]['texts_per_s']:.3f}× "
+                  f"({_ratio(now[level]['p50_ms'], levels[level]['p50_ms'])})" for level in names)]
+         for name, levels in before.items()])
+    return f"The service against itself at another commit (medians over the repeats: above 1× it serves more, " \
+           f"below 1× its P50 is lower):\n\n{table}"
+
+
+def _ratio(now: float | None, before: float | None) -> str:
+    return "—" if not now or not before else f"{now / before:.3f}×"
 
 
 def render_limit(engine: dict[str, Any], rows: Mapping[str, dict[str, Any]], names: Sequence[str]) -> str:

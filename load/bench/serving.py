@@ -27,9 +27,10 @@ SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 SERVE_ENV = SERVE_CONFIG.with_name("serve.env")
 
 
-def serve_env() -> dict[str, str]:
-    """The variables of ``serve.env``: the environment the README's run command gives Ray (HAProxy in front)."""
-    lines = (line.strip() for line in SERVE_ENV.read_text().splitlines())
+def serve_env(path: Path = SERVE_ENV) -> dict[str, str]:
+    """The variables of ``serve.env`` (or of the file at ``path``, another checkout's): the environment the README's
+    run command gives Ray (HAProxy in front)."""
+    lines = (line.strip() for line in path.read_text().splitlines())
     return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 

@@ -23,22 +23,30 @@ MODEL = "all-MiniLM-L6-v2"  # the model serve_config.yaml serves
 # that temp dir too, so HAProxy's command line names it and stopping the service ends HAProxy as well: under Serve's
 # default /tmp/haproxy-serve, a HAProxy outliving one run held its stats and metrics ports against the next.
 _TMPDIR = "/tmp/ray-peers-bench"
-SERVICE_ENV: dict[str, str] = {
-    **serve_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": _TMPDIR,
-    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{_TMPDIR}/haproxy/haproxy.cfg",
-    "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{_TMPDIR}/haproxy/admin.sock",
-}
 
 
-def serve_run(config: dict[str, Any], name: str) -> Callable[[Path, int, Path], Launch]:
+def service_env(tree: Path = ROOT) -> dict[str, str]:
+    """That environment for the checkout at ``tree``: its ``serve.env``, and its code first on ``PYTHONPATH``."""
+    return {**serve_env(tree / "serve.env"), "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_TMPDIR": _TMPDIR, "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{_TMPDIR}/haproxy/haproxy.cfg",
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{_TMPDIR}/haproxy/admin.sock", "PYTHONPATH": str(tree)}
+
+
+SERVICE_ENV = service_env()
+
+
+def serve_run(config: dict[str, Any], name: str, tree: Path = ROOT) -> Callable[[Path, int, Path], Launch]:
     """How ``Server`` starts ``serve run`` on ``config`` (a Serve config file's contents) but for its HTTP port (8000
-    may be another copy's); the file goes in the service's temp dir as ``<name>.yaml``."""
+    may be another copy's), from the checkout at ``tree`` (its code and its ``serve.env``); the file goes in the
+    service's temp dir as ``<name>.yaml``."""
+    env = service_env(tree)
+
     def launch(bin_dir: Path, port: int, model: Path) -> Launch:
-        path = Path(SERVICE_ENV["RAY_TMPDIR"]) / f"{name}.yaml"
+        path = Path(env["RAY_TMPDIR"]) / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({**config, "http_options": {**config["http_options"], "port": port}},
                                        sort_keys=False))
-        return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=ROOT, env=SERVICE_ENV)
+        return Launch([str(bin_dir / "serve"), "run", str(path)], cwd=tree, env=env)
 
     return launch
 
@@ -82,19 +90,26 @@ def _with_tenants(config: dict[str, Any]) -> Callable[[Path, int, Path], Launch]
     return launch
 
 
-def _service_batching() -> dict[str, Any]:
-    model = default_models()[0]
+def service_batching(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The batching settings (and replica counts) of the model entry of ``config`` (default: ``serve_config.yaml``)."""
+    model = default_models()[0] if config is None else config["applications"][0]["args"]["models"][0]
     return {**model.get("batching", {}), "autoscaling": {key: model["autoscaling"][key]
                                                          for key in ("min_replicas", "max_replicas")}}
 
 
+def shipped(name: str, config: dict[str, Any], tree: Path = ROOT) -> Server:
+    """The service named ``name`` in the benchmarks, started by ``serve run`` on ``config`` from the checkout at
+    ``tree``."""
+    return Server(name, serve_run(config, f"serve_config_{name}", tree), service_batching(config), health="/healthz",
+                  stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES)
+
+
 _KEY_PACKAGES = ("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers", "fastapi", "uvicorn")
-SERVICE = Server("service", serve_run(yaml.safe_load(SERVE_CONFIG.read_text()), "serve_config"), _service_batching(),
-                 health="/healthz", stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES)
+SERVICE = shipped("service", yaml.safe_load(SERVE_CONFIG.read_text()))
 # The same, one tenant of a keys file of a thousand sending the load (issue #43: a keys file costs nothing): one
 # limited far above it, or one with no limits.
 SERVICES_WITH_TENANTS = [
-    Server(name, _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())), _service_batching(), health="/healthz",
+    Server(name, _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())), service_batching(), health="/healthz",
            stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES, probe_headers=(("Authorization", f"Bearer {key}"),))
     for name, key in (("service-1000-tenants", TENANT_KEY), ("service-1000-tenants-unlimited", UNLIMITED_TENANT_KEY))]
 

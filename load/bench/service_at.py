@@ -1,0 +1,53 @@
+"""The service as shipped at another commit, a server of ``python -m load.bench peers``: ``--servers
+service,service@HEAD~1,infinity-onnx,mosec`` measures a change and the code before it in one run, rotated with the
+peers, instead of in two runs that the machine's drift between them can make differ by more than the change.
+
+``service@<rev>`` (any git revision: ``HEAD~1``, a branch, a hash) runs ``serve run`` on that commit's
+``serve_config.yaml`` with that commit's ``serve.env``, from a git worktree of it made for the run and removed after,
+in this checkout's virtualenv (a commit that needs other packages than it has is not measured as it would run).
+Its row is named by the commit's short hash.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from load.peers.launch import ROOT, Server
+
+from .shipped_service import shipped
+
+PREFIX = "service@"
+
+
+def names_a_commit(name: str) -> bool:
+    return name.startswith(PREFIX) and len(name) > len(PREFIX)
+
+
+@contextmanager
+def service_at(name: str) -> Iterator[Server]:
+    """The service at the commit ``name`` names (``service@<rev>``), checked out while the context lasts."""
+    revision = name[len(PREFIX):]
+    found = _git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
+    if found.returncode:
+        raise SystemExit(f"{name}: {revision!r} names no commit of {ROOT}")
+    commit = found.stdout.strip()
+    short = _git("rev-parse", "--short", commit).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="service-at-") as parent:
+        tree = Path(parent) / short
+        _git("worktree", "add", "--detach", str(tree), commit, check=True)
+        try:
+            config = yaml.safe_load((tree / "serve_config.yaml").read_text())
+            yield shipped(f"{PREFIX}{short}", config, tree)
+        finally:
+            _git("worktree", "remove", "--force", str(tree))
+            _git("worktree", "prune")
+
+
+def _git(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=check, timeout=120)
