@@ -93,8 +93,10 @@ def _with_tenants(config: dict[str, Any]) -> Callable[[Path, int, Path], Launch]
 def service_batching(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The batching settings (and replica counts) of the model entry of ``config`` (default: ``serve_config.yaml``)."""
     model = default_models()[0] if config is None else config["applications"][0]["args"]["models"][0]
-    return {**model.get("batching", {}), "autoscaling": {key: model["autoscaling"][key]
-                                                         for key in ("min_replicas", "max_replicas")}}
+    replicas = {key: model["autoscaling"][key] for key in ("min_replicas", "max_replicas")
+                if key in model.get("autoscaling", {})}  # an older commit's entry may name num_replicas instead
+    fixed = {"num_replicas": model["num_replicas"]} if "num_replicas" in model else {}
+    return {**model.get("batching", {}), **({"autoscaling": replicas} if replicas else fixed)}
 
 
 def shipped(name: str, config: dict[str, Any], tree: Path = ROOT) -> Server:

@@ -12,6 +12,7 @@ import yaml
 from load.bench import peers
 from load.bench.service_at import names_a_commit, service_at
 from load.bench.serving import serve_env
+from load.bench.shipped_service import service_batching
 from load.peers.launch import ROOT
 
 
@@ -54,3 +55,9 @@ def test_the_report_puts_the_service_over_itself_at_each_commit():
     assert "| service@abc1234 | 1.100× (0.900×) | 1.100× (—) |" in table
     assert "mosec" not in table
     assert peers.render_against_commits({"service": row(1.0, 1.0), "mosec": row(1.0, 1.0)}, ["c1"]) == ""
+
+
+def test_an_older_commits_entry_without_autoscaling_still_says_how_many_replicas_served():
+    config = {"applications": [{"args": {"models": [{"name": "m", "num_replicas": 2, "batching": {"max_batch_size": 8}}]}}]}
+    assert service_batching(config) == {"max_batch_size": 8, "num_replicas": 2}
+    assert set(service_batching()["autoscaling"]) == {"min_replicas", "max_replicas"}
