@@ -33,14 +33,13 @@ def names_a_commit(name: str) -> bool:
 def service_at(name: str) -> Iterator[Server]:
     """The service at the commit ``name`` names (``service@<rev>``), checked out while the context lasts."""
     revision = name[len(PREFIX):]
-    found = _git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
+    found = _git("rev-parse", "--verify", "--quiet", "--short", f"{revision}^{{commit}}")
     if found.returncode:
         raise SystemExit(f"{name}: {revision!r} names no commit of {ROOT}")
-    commit = found.stdout.strip()
-    short = _git("rev-parse", "--short", commit).stdout.strip()
+    short = found.stdout.strip()
     with tempfile.TemporaryDirectory(prefix="service-at-") as parent:
         tree = Path(parent) / short
-        _git("worktree", "add", "--detach", str(tree), commit, check=True)
+        _git("worktree", "add", "--detach", str(tree), short, check=True)
         try:
             config = yaml.safe_load((tree / "serve_config.yaml").read_text())
             yield shipped(f"{PREFIX}{short}", config, tree)

@@ -11,7 +11,7 @@ import yaml
 
 from load.peers.launch import ROOT, Launch, Server
 
-from .serving import SERVE_CONFIG, default_models, serve_env
+from .serving import SERVE_CONFIG, serve_env
 
 MODEL = "all-MiniLM-L6-v2"  # the model serve_config.yaml serves
 # The environment `serve run` starts with. RAY_TMPDIR gives its Ray instance a temp dir of its own, which every Ray
@@ -76,10 +76,10 @@ def write_many_tenants(path: Path) -> Path:
                                   for number in range(TENANTS)})
 
 
-def _with_tenants(config: dict[str, Any]) -> Callable[[Path, int, Path], Launch]:
+def _with_tenants(config: dict[str, Any], tree: Path) -> Callable[[Path, int, Path], Launch]:
     """``serve_run`` of ``config`` with ``write_many_tenants``' keys file, named as a user names it:
     ``EMBEDDINGS_API_KEYS_FILE`` in the application's ``runtime_env``."""
-    start = serve_run(config, "serve_config_tenants")
+    start = serve_run(config, "serve_config_tenants", tree)
 
     def launch(bin_dir: Path, port: int, model: Path) -> Launch:
         keys = write_many_tenants(Path(SERVICE_ENV["RAY_TMPDIR"]) / "tenants.yaml")
@@ -90,30 +90,31 @@ def _with_tenants(config: dict[str, Any]) -> Callable[[Path, int, Path], Launch]
     return launch
 
 
-def service_batching(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The batching settings (and replica counts) of the model entry of ``config`` (default: ``serve_config.yaml``)."""
-    model = default_models()[0] if config is None else config["applications"][0]["args"]["models"][0]
-    replicas = {key: model["autoscaling"][key] for key in ("min_replicas", "max_replicas")
-                if key in model.get("autoscaling", {})}  # an older commit's entry may name num_replicas instead
-    fixed = {"num_replicas": model["num_replicas"]} if "num_replicas" in model else {}
-    return {**model.get("batching", {}), **({"autoscaling": replicas} if replicas else fixed)}
+def service_batching(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The batching settings and replica counts of ``config``'s model entry (a Serve config file's contents)."""
+    model = config["applications"][0]["args"]["models"][0]
+    scaling = model.get("autoscaling", {})
+    replicas = {key: scaling[key] for key in ("min_replicas", "max_replicas") if key in scaling}
+    fixed = {"num_replicas": model["num_replicas"]} if "num_replicas" in model else {}  # an older commit's entry
+    return {**model.get("batching", {}), **({"autoscaling": replicas} if replicas else {}), **fixed}
 
 
-def shipped(name: str, config: dict[str, Any], tree: Path = ROOT) -> Server:
+def shipped(name: str, config: dict[str, Any], tree: Path = ROOT, api_key: str | None = None) -> Server:
     """The service named ``name`` in the benchmarks, started by ``serve run`` on ``config`` from the checkout at
-    ``tree``."""
-    return Server(name, serve_run(config, f"serve_config_{name}", tree), service_batching(config), health="/healthz",
-                  stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES)
+    ``tree``; with ``api_key``, behind ``write_many_tenants``' keys file, sending that key."""
+    launch = serve_run(config, f"serve_config_{name}", tree) if api_key is None else _with_tenants(config, tree)
+    probe = () if api_key is None else (("Authorization", f"Bearer {api_key}"),)
+    return Server(name, launch, service_batching(config), health="/healthz", stop_signal=signal.SIGINT,
+                  key_packages=_KEY_PACKAGES, probe_headers=probe)
 
 
 _KEY_PACKAGES = ("ray", "torch", "numpy", "sentence-transformers", "transformers", "tokenizers", "fastapi", "uvicorn")
 SERVICE = shipped("service", yaml.safe_load(SERVE_CONFIG.read_text()))
 # The same, one tenant of a keys file of a thousand sending the load (issue #43: a keys file costs nothing): one
 # limited far above it, or one with no limits.
-SERVICES_WITH_TENANTS = [
-    Server(name, _with_tenants(yaml.safe_load(SERVE_CONFIG.read_text())), service_batching(), health="/healthz",
-           stop_signal=signal.SIGINT, key_packages=_KEY_PACKAGES, probe_headers=(("Authorization", f"Bearer {key}"),))
-    for name, key in (("service-1000-tenants", TENANT_KEY), ("service-1000-tenants-unlimited", UNLIMITED_TENANT_KEY))]
+SERVICES_WITH_TENANTS = [shipped(name, yaml.safe_load(SERVE_CONFIG.read_text()), api_key=key)
+                         for name, key in (("service-1000-tenants", TENANT_KEY),
+                                           ("service-1000-tenants-unlimited", UNLIMITED_TENANT_KEY))]
 
 
 def packaged_model_path() -> Path:

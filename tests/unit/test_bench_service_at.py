@@ -60,4 +60,5 @@ def test_the_report_puts_the_service_over_itself_at_each_commit():
 def test_an_older_commits_entry_without_autoscaling_still_says_how_many_replicas_served():
     config = {"applications": [{"args": {"models": [{"name": "m", "num_replicas": 2, "batching": {"max_batch_size": 8}}]}}]}
     assert service_batching(config) == {"max_batch_size": 8, "num_replicas": 2}
-    assert set(service_batching()["autoscaling"]) == {"min_replicas", "max_replicas"}
+    shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    assert set(service_batching(shipped)["autoscaling"]) == {"min_replicas", "max_replicas"}
