@@ -5,9 +5,9 @@ A handle call costs both replicas about a millisecond of CPU whatever it carries
 the model, caps the requests served per second. Gathering what arrived in one turn adds no wait: a lone request
 leaves at the end of the turn it arrived in. Under load the requests come a few at a time (the clients of a batch
 just answered send their next ones), each in a turn of its own, so while many requests are in flight to the model
-the next call waits for the ones arriving behind its first, the longer the more are in flight. Inside the model every
-request keeps its own priority, deadline and outcome, and since each answer streams back on its own, no request
-waits for another of its call.
+the next call waits ``GATHER_S`` for the ones arriving behind its first. Inside the model every request keeps its
+own priority, deadline and outcome, and since each answer streams back on its own, no request waits for another of
+its call.
 
 Embedding is a pure function, so a request whose replica was lost before it answered (the actor died, its node
 went, it was stopped) is sent again, to whichever replica Serve picks next, with what is left of its deadline:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from batching import DepthScaledWait, Priority
+from batching import Priority
 from deployments.errors import ServiceUnavailable
 from deployments.ingress.replica_loss import loss_cause
 from deployments.wire import Deadline, EmbedRequest
@@ -28,13 +28,11 @@ from deployments.wire import Deadline, EmbedRequest
 RESENDS = 2  # times a request follows its replica's loss to another one
 # While this many of the model's requests of a priority from this ingress are unanswered, the model is busy with that
 # priority's work: a request of it arriving then would wait in the model's queue (behind the batches running, or for
-# its batch to fill) for milliseconds anyway, so its call waits for the requests arriving behind it. It waits the
-# longer the more are in flight, by the batcher's own rule (``GATHER.wait_s(in flight)``: 2 ms at 16, 5 ms at 64):
-# the busier the ingress, the more a call shared saves of the CPU every request queues for, and the more requests a
-# window gathers. A request of a priority with fewer in flight (a HIGH one beside a LOW flood) leaves in its own
-# turn, and takes along whatever was gathering.
+# its batch to fill) for milliseconds anyway, so its call waits this long for the requests arriving behind it. A
+# request of a priority with fewer in flight (a HIGH one beside a LOW flood) leaves in its own turn, and takes along
+# whatever was gathering.
 GATHER_FROM = 8
-GATHER = DepthScaledWait(max_wait_ms=10.0, scale_factor=64.0)
+GATHER_S = 0.002
 
 _Waiter = tuple[EmbedRequest, Deadline | None, asyncio.Future]
 OnResend = Callable[[str, int], None]  # (the cause of the loss, how many requests were sent again)
@@ -60,7 +58,7 @@ class ModelForwarder:
         unanswered = self._unanswered.get(priority, 0)
         if unanswered >= GATHER_FROM:
             if not self._pending:
-                self._gathering = loop.call_later(GATHER.wait_s(unanswered), self._flush)
+                self._gathering = loop.call_later(GATHER_S, self._flush)
         elif not self._pending or self._gathering is not None:  # the call leaves at the end of this turn
             if self._gathering is not None:
                 self._gathering.cancel()
