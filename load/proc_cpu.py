@@ -54,6 +54,28 @@ def sample(pids: Iterable[int]) -> Sample:
     return found
 
 
+def descendants(root: int | None = None) -> list[int]:
+    """The live processes ``root`` (by default this one) started, and those they started, from ``/proc``: a Ray
+    cluster this process started in-process, with its workers and HAProxy."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if state != "Z":
+            children.setdefault(int(parent), []).append(int(entry.name))
+    found, unvisited = [], list(children.get(root, []))
+    while unvisited:
+        pid = unvisited.pop()
+        found.append(pid)
+        unvisited.extend(children.get(pid, []))
+    return found
+
+
 def spent(before: Sample, after: Sample) -> dict[str, float]:
     """CPU seconds spent between two samples, by group, largest first."""
     groups: dict[str, float] = {}

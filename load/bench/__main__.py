@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "batch": "load.bench.batch",
     "tenants": "load.bench.tenants",
     "tenant-limits": "load.bench.tenant_limits",
+    "tune": "load.bench.tune",
 }
 
 

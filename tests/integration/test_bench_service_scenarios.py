@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from load.bench import bulk, e2e, local
-from load.bench.serving import SIM_MODEL, deployed
+from load.bench import bulk, e2e, local, tune
+from load.bench.serving import SIM_MODEL, default_models, deployed, one_replica
 from load.upstream import UpstreamConfig
 from load.bench.upstream_process import upstream_process
 
@@ -34,6 +34,19 @@ def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
         assert row["errors"] == 0
         assert row["batched"]["items_per_s"] > 0 and row["unbatched"]["items_per_s"] > 0
     assert data["rows"]["1"]["unbatched"]["mean_batch_size"] == 1.0
+
+
+def test_tune_scenario_serves_the_entry_as_shipped_and_changed_side_by_side(serve_instance, tmp_path):
+    shipped = one_replica(default_models()[0])  # reserving no CPU: both fit the tests' cluster
+    changed = tune.changed_entry(shipped, ["batching.max_wait_ms=5"])
+    data = tune.measure(serve_instance.url, shipped, changed, tune.QUICK, tmp_path)
+    assert (tmp_path / "tune.md").exists() and (tmp_path / "tune.json").exists()
+    assert data["changes"] == {"batching.max_wait_ms": 5}
+    for row in data["rows"].values():
+        for label in tune.VARIANTS:
+            assert row[label]["errors"] == 0 and row[label]["items_per_s"] > 0
+            assert row[label]["mean_batch_size"] >= 1 and row[label]["cpu_ms"]["model replica"] > 0
+        assert row["texts_ratio_range"][0] <= row["texts_ratio"] <= row["texts_ratio_range"][1]
 
 
 def test_bulk_scenario_embeds_every_document_in_place_and_streams_high_requests(serve_instance, tmp_path):
