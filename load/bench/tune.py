@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
@@ -94,11 +95,14 @@ def changed_entry(entry: Mapping[str, Any], changes: Sequence[str]) -> dict[str,
     return changed
 
 
+def max_replicas(entry: Mapping[str, Any]) -> int:
+    return entry.get("autoscaling", {}).get("max_replicas") or entry.get("num_replicas") or 1
+
+
 def cpus_reserved(entry: Mapping[str, Any]) -> int:
     """The CPUs the entry's replicas reserve at most (its ``ray_actor_options``, times its most replicas), rounded up
     to whole ones for the cluster."""
-    replicas = entry.get("autoscaling", {}).get("max_replicas") or entry.get("num_replicas") or 1
-    return math.ceil(replicas * entry.get("ray_actor_options", {}).get("num_cpus", 1))
+    return math.ceil(max_replicas(entry) * entry.get("ray_actor_options", {}).get("num_cpus", 1))
 
 
 def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], settings: Settings,
@@ -110,7 +114,10 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
     name = shipped["name"]
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     apps = {label: build_app({"models": [entry]}) for label, entry in zip(VARIANTS, (shipped, changed))}
-    with deployed(proxy, apps, name) as targets:
+    with deployed(proxy, apps, name) as deployed_targets:
+        # A handle call reads one replica's counters: an entry of several replicas has no mean batch here.
+        targets = [target if max_replicas(entry) == 1 else dataclasses.replace(target, batch_totals=_no_totals)
+                   for target, entry in zip(deployed_targets, (shipped, changed))]
         asyncio.run(_warm_up([target.url for target in targets], name, texts[:settings.warm_up]))
         runs = asyncio.run(compare_over_http(targets, name, texts, settings.levels, settings.repeats,
                                              pids=descendants))
@@ -119,6 +126,10 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
             "changes": changes_between(shipped, changed), "rows": rows, "runs": runs}
     return write_report("tune", "A change to the shipped model entry, beside the entry as shipped",
                         render(settings, data), data, results_dir)
+
+
+async def _no_totals() -> tuple[int, int]:
+    return 0, 0
 
 
 async def _warm_up(urls: Sequence[str], model: str, texts: Sequence[str]) -> None:
@@ -196,8 +207,8 @@ def render(settings: Settings, data: dict[str, Any]) -> str:
     return f"""The first model entry of `serve_config.yaml` (`{data['shipped']['name']}`) as shipped, and changed: \
 {changes}. Both in one Serve instance (`serve.env`), each with the entry's own replicas and CPUs; single-text \
 requests (base64), closed loop: {levels}; {settings.repeats} alternated repeat(s), medians. `mean batch`: texts a \
-batch the model formed. CPU: each process's CPU time over a variant's runs, from /proc, by the texts it served (the \
-rest: HAProxy, Ray's own processes, the idle variant).
+batch the model formed (— for an entry of several replicas). CPU: each process's CPU time over a variant's runs, \
+from /proc, by the texts it served (the rest: HAProxy, Ray's own processes, the idle variant).
 
 {table}
 

@@ -53,6 +53,7 @@ def test_the_cluster_reserves_each_variants_cpus_at_its_most_replicas():
     assert tune.cpus_reserved(ENTRY) == 2
     assert tune.cpus_reserved({**ENTRY, "autoscaling": {"max_replicas": 3}}) == 6
     assert tune.cpus_reserved({"num_replicas": 2}) == 2  # Ray's default: one CPU an actor
+    assert tune.cpus_reserved({**ENTRY, "ray_actor_options": {"num_cpus": 0.5}}) == 1
 
 
 def _run(texts_s: float, p50: float, batch: float) -> dict:
