@@ -53,7 +53,7 @@ def model_deployment_options(model: ModelConfig) -> dict[str, Any]:
 
 def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     # Every model's replicas may be full at once; the ingress must not be the narrower gate.
-    model_capacity = sum(max_ongoing_requests(model) * _max_replicas(model) for model in config.models)
+    model_capacity = sum(max_ongoing_requests(model) * max_replicas(model) for model in config.models)
     return {
         "name": "EmbeddingsIngress",
         "max_ongoing_requests": max(config.ingress.max_ongoing_requests, model_capacity),
@@ -128,7 +128,8 @@ def graceful_shutdown_s(model: ModelConfig) -> float:
     return max(MIN_GRACEFUL_SHUTDOWN_S, 2 * model.batcher.max_queue_depth / DRAIN_FLOOR_ITEMS_PER_S)
 
 
-def _max_replicas(model: ModelConfig) -> int:
+def max_replicas(model: ModelConfig) -> int:
+    """The most replicas the model's deployment may run (its autoscaling bound, or its fixed count)."""
     if model.autoscaling is not None:
         return int(model.autoscaling.get("max_replicas", 1))
     return model.num_replicas or 1

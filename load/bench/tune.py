@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from deployments.config import ConfigError, parse_app_config
+from deployments.config import ConfigError, ModelConfig, parse_app_config
+from deployments.sizing import max_replicas, model_actor_options
 from load.loadgen import closed_loop
 from load.proc_cpu import descendants
 from load.stats import median_of
@@ -91,18 +92,20 @@ def changed_entry(entry: Mapping[str, Any], changes: Sequence[str]) -> dict[str,
         section[leaf] = yaml.safe_load(raw)
     if changed == entry:
         raise ValueError("the changes leave the shipped entry as it is")
-    parse_app_config({"models": [changed]})
+    _parsed(changed)
     return changed
 
 
-def max_replicas(entry: Mapping[str, Any]) -> int:
-    return entry.get("autoscaling", {}).get("max_replicas") or entry.get("num_replicas") or 1
-
-
 def cpus_reserved(entry: Mapping[str, Any]) -> int:
-    """The CPUs the entry's replicas reserve at most (its ``ray_actor_options``, times its most replicas), rounded up
-    to whole ones for the cluster."""
-    return math.ceil(max_replicas(entry) * entry.get("ray_actor_options", {}).get("num_cpus", 1))
+    """The CPUs the entry's replicas reserve at most, as the service sizes them, rounded up to whole ones for the
+    cluster."""
+    model = _parsed(entry)
+    return math.ceil(max_replicas(model) * model_actor_options(model)["num_cpus"])
+
+
+def _parsed(entry: Mapping[str, Any]) -> ModelConfig:
+    (model,) = parse_app_config({"models": [entry]}).models
+    return model
 
 
 def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], settings: Settings,
@@ -116,7 +119,7 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
     apps = {label: build_app({"models": [entry]}) for label, entry in zip(VARIANTS, (shipped, changed))}
     with deployed(proxy, apps, name) as deployed_targets:
         # A handle call reads one replica's counters: an entry of several replicas has no mean batch here.
-        targets = [target if max_replicas(entry) == 1 else dataclasses.replace(target, batch_totals=_no_totals)
+        targets = [target if max_replicas(_parsed(entry)) == 1 else dataclasses.replace(target, batch_totals=_no_totals)
                    for target, entry in zip(deployed_targets, (shipped, changed))]
         asyncio.run(_warm_up([target.url for target in targets], name, texts[:settings.warm_up]))
         runs = asyncio.run(compare_over_http(targets, name, texts, settings.levels, settings.repeats,

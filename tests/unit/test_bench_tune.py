@@ -49,11 +49,15 @@ def test_the_command_line_needs_a_change():
     assert args.changes == ["batching.max_wait_ms=5", "batching.scale_factor=9"]
 
 
-def test_the_cluster_reserves_each_variants_cpus_at_its_most_replicas():
+def test_the_cluster_reserves_each_variants_cpus_as_the_service_sizes_its_replicas():
     assert tune.cpus_reserved(ENTRY) == 2
-    assert tune.cpus_reserved({**ENTRY, "autoscaling": {"max_replicas": 3}}) == 6
-    assert tune.cpus_reserved({"num_replicas": 2}) == 2  # Ray's default: one CPU an actor
+    assert tune.cpus_reserved({**ENTRY, "autoscaling": {"min_replicas": 1, "max_replicas": 3}}) == 6
     assert tune.cpus_reserved({**ENTRY, "ray_actor_options": {"num_cpus": 0.5}}) == 1
+    fixed = {key: value for key, value in ENTRY.items() if key not in ("autoscaling", "ray_actor_options")}
+    assert tune.cpus_reserved({**fixed, "num_replicas": 2}) == 2  # a local model's default: one core a replica
+    upstream = {"name": "u", "backend": "openai", "base_url": "http://127.0.0.1:1/v1", "upstream_model": "u",
+                "num_replicas": 3}
+    assert tune.cpus_reserved(upstream) == 0  # an API client reserves none
 
 
 def _run(texts_s: float, p50: float, batch: float) -> dict:

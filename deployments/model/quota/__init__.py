@@ -24,13 +24,13 @@ def make_pacer(model: "ModelConfig", metrics: "QuotaMetrics | None" = None,
     if model.backend != "openai":
         return None
     from deployments.model.quota.limiter import limiter_name
-    from deployments.sizing import _max_replicas
+    from deployments.sizing import max_replicas
 
     quota = model.limits
     limits = (Limits(None, None) if quota is None
               else Limits(quota.rpm, quota.tpm, headroom=quota.headroom, low_share=quota.low_share))
     name = limiter_name(_application(), model.deployment_name, limits)
-    return QuotaPacer(limits, RemoteLedger(name, limits), replicas=_max_replicas(model), metrics=metrics,
+    return QuotaPacer(limits, RemoteLedger(name, limits), replicas=max_replicas(model), metrics=metrics,
                       max_wait_s=model.batcher.batch_timeout_s, clock=clock)
 
 
