@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import dataclasses
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import yaml
@@ -119,7 +118,7 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
     apps = {label: build_app({"models": [entry]}) for label, entry in zip(VARIANTS, (shipped, changed))}
     with deployed(proxy, apps, name) as deployed_targets:
         # A handle call reads one replica's counters: an entry of several replicas has no mean batch here.
-        targets = [target if max_replicas(_parsed(entry)) == 1 else dataclasses.replace(target, batch_totals=_no_totals)
+        targets = [target if max_replicas(_parsed(entry)) == 1 else replace(target, batch_totals=_no_totals)
                    for target, entry in zip(deployed_targets, (shipped, changed))]
         asyncio.run(_warm_up([target.url for target in targets], name, texts[:settings.warm_up]))
         runs = asyncio.run(compare_over_http(targets, name, texts, settings.levels, settings.repeats,
