@@ -32,17 +32,24 @@ def names_a_commit(name: str) -> bool:
 @contextmanager
 def service_at(name: str) -> Iterator[Server]:
     """The service at the commit ``name`` names (``service@<rev>``), checked out while the context lasts."""
-    revision = name[len(PREFIX):]
+    with checkout(name[len(PREFIX):], name) as (short, tree):
+        config = yaml.safe_load((tree / "serve_config.yaml").read_text())
+        yield shipped(f"{PREFIX}{short}", config, tree)
+
+
+@contextmanager
+def checkout(revision: str, asked_as: str | None = None) -> Iterator[tuple[str, Path]]:
+    """The commit ``revision`` names (its short hash) and a git worktree of it, removed when the context ends;
+    ``SystemExit`` (naming ``asked_as``, or the revision) if it names none."""
     found = _git("rev-parse", "--verify", "--quiet", "--short", f"{revision}^{{commit}}")
     if found.returncode:
-        raise SystemExit(f"{name}: {revision!r} names no commit of {ROOT}")
+        raise SystemExit(f"{asked_as or revision}: {revision!r} names no commit of {ROOT}")
     short = found.stdout.strip()
     with tempfile.TemporaryDirectory(prefix="service-at-") as parent:
         tree = Path(parent) / short
         _git("worktree", "add", "--detach", str(tree), short, check=True)
         try:
-            config = yaml.safe_load((tree / "serve_config.yaml").read_text())
-            yield shipped(f"{PREFIX}{short}", config, tree)
+            yield short, tree
         finally:
             _git("worktree", "remove", "--force", str(tree))
             _git("worktree", "prune")

@@ -8,6 +8,8 @@ import argparse
 import copy
 import os
 import sys
+import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,13 +103,24 @@ def sim_model_entry(base_url: str, **batching: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
+def serve_cluster(num_cpus: int = 4, *, checkout_first: bool = True) -> Iterator[str]:
     """A fresh local Ray cluster started as ``serve run`` starts it (``serve.env``: HAProxy in front), with Serve's
-    HTTP port a free loopback one; yields its URL. The process must have called ``use_serve_env`` first."""
+    HTTP port a free loopback one; yields its URL. The process must have called ``use_serve_env`` first.
+
+    Ray puts the directory its driver starts from first on every worker's ``sys.path``: this checkout, from which the
+    benchmarks run, so the workers import this checkout's code before any other. ``checkout_first=False`` starts Ray
+    from outside it, so an application may run another checkout's code (``deployed_as_configured``); the others then
+    import this checkout's installed packages (and nothing of ``load/``)."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    here = os.getcwd()
+    if not checkout_first:
+        os.chdir(tempfile.gettempdir())
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    finally:
+        os.chdir(here)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -138,6 +151,69 @@ def deployed(proxy_url: str, apps: Mapping[str, Any], model: str) -> Iterator[li
     finally:
         for label in apps:
             serve.delete(label)
+
+
+@contextmanager
+def deployed_as_configured(proxy_url: str, apps: Mapping[str, tuple[Mapping[str, Any], Path | None]],
+                           model: str) -> Iterator[list[Target]]:
+    """Each app (label -> (its builder's args, a checkout or None)) deployed as ``serve run`` deploys a config's
+    application: ``deployments.app:build_app`` builds it, in Serve's controller, under the route prefix ``/<label>``.
+    An app given a checkout runs that checkout's code (first on ``PYTHONPATH`` for its build and its replicas, this
+    machine's Ray only); the others this one's. Deleted on exit."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    runtime_envs = {label: {"env_vars": {"PYTHONPATH": str(tree)}} for label, (_, tree) in apps.items()
+                    if tree is not None}
+    for label, runtime_env in runtime_envs.items():
+        _check_code_first(runtime_env, apps[label][1])
+    config = ServeDeploySchema.model_validate({"applications": [
+        {"name": label, "route_prefix": f"/{label}", "import_path": "deployments.app:build_app", "args": dict(args),
+         **({"runtime_env": runtime_envs[label]} if label in runtime_envs else {})}
+        for label, (args, _) in apps.items()]})
+    try:
+        _get_global_client().deploy_apps(config)
+        _wait_running(list(apps))
+        yield [Target(label, f"{proxy_url}/{label}", _batch_totals(f"embed-{model}", label)) for label in apps]
+    finally:
+        for label in apps:
+            serve.delete(label)
+
+
+def _check_code_first(runtime_env: Mapping[str, Any], tree: Path) -> None:
+    """``RuntimeError`` unless a worker of ``runtime_env`` imports ``deployments`` from the checkout at ``tree``:
+    never measure a checkout's code against itself unawares."""
+    import ray
+
+    @ray.remote(num_cpus=0, runtime_env=dict(runtime_env))
+    def deployments_path() -> str:
+        import deployments
+
+        return deployments.__file__
+
+    found = Path(ray.get(deployments_path.remote()))
+    if not found.resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"this Ray's workers import {found.parent}, not the checkout at {tree}: start it with "
+                           "serve_cluster(checkout_first=False)")
+
+
+def _wait_running(labels: Sequence[str], timeout_s: float = 300.0) -> None:
+    """Until every app of ``labels`` runs; ``RuntimeError`` with Serve's message if one fails to deploy."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        apps = serve.status().applications
+        failed = {label: apps[label].message for label in labels
+                  if label in apps and apps[label].status == ApplicationStatus.DEPLOY_FAILED}
+        if failed:
+            raise RuntimeError(f"an application failed to deploy: {failed}")
+        if all(label in apps and apps[label].status == ApplicationStatus.RUNNING for label in labels):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{', '.join(labels)} not running after {timeout_s:g} s")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,14 @@ and CPUs (the cluster reserves enough for the two), so each computes as the ship
 requests, closed loop at concurrency 1, 16 and 64; at every repeat and level the two run one right after the other,
 in a rotating order, after one warm-up run each.
 
+``--against REV`` measures this checkout's code and entry (with any ``--set``) against the code and entry of the
+commit ``REV`` names (``HEAD~1``, a branch, a hash), from a git worktree of it, the two side by side in the same way:
+a change to the code measured as a change to a setting is. Both are deployed as ``serve run`` deploys a config's
+application (built in Serve's controller), each with its own checkout first on ``PYTHONPATH`` for its build and
+replicas, on a Ray started from outside this checkout (``serve_cluster``'s ``checkout_first``). Both run this
+checkout's virtualenv, and the commit's answers reach this checkout's code: a commit whose config or wire types
+differ from this checkout's is not one this can compare.
+
 Runs of one configuration in separate ``serve run``s, minutes apart, differ by more than most settings move them on
 a shared machine; alternated level by level in one instance, the two meet the same machine. The report gives both
 sides' medians, the changed one over the shipped one, and that ratio's range over the repeats' pairs: a change
@@ -17,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
@@ -27,6 +37,7 @@ import yaml
 from deployments.config import ConfigError, ModelConfig, parse_app_config
 from deployments.sizing import max_replicas, model_actor_options
 from load.loadgen import closed_loop
+from load.peers.launch import ROOT
 from load.proc_cpu import descendants
 from load.stats import median_of
 from load.upstream_client import UpstreamClient
@@ -35,7 +46,8 @@ from load.workload import pseudo_sentences
 from .e2e import service_cpu
 from .options import chosen_settings
 from .report import markdown_table, write_report
-from .serving import compare_over_http, default_models, deployed, serve_cluster
+from .service_at import checkout
+from .serving import compare_over_http, default_models, deployed_as_configured, serve_cluster
 
 VARIANTS = ("shipped", "changed")
 _ABSENT = object()  # a setting the entry leaves to its default (unlike one set to null)
@@ -57,21 +69,36 @@ QUICK = Settings(levels=((1, 4), (4, 16)), repeats=1, warm_up=4)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", dest="changes", action="append", required=True, metavar="KEY=VALUE",
+    parser.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the shipped model entry, by dotted path (batching.scale_factor=10); "
                              "repeat it for several")
+    parser.add_argument("--against", metavar="REV",
+                        help="measure this checkout (code and entry) against the commit REV names (HEAD~1, a hash)")
     parser.add_argument("--repeats", type=int, help=f"alternated repeats (default {Settings.repeats})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = chosen_settings(args, Settings(), QUICK)
-    (shipped, *_) = default_models()
-    try:
-        changed = changed_entry(shipped, args.changes)
-    except (ConfigError, ValueError) as exc:
-        raise SystemExit(f"tune: {exc}") from None
-    with serve_cluster(num_cpus=cpus_reserved(shipped) + cpus_reserved(changed)) as proxy:
-        return measure(proxy, shipped, changed, settings, getattr(args, "results_dir", None))
+    if not args.changes and args.against is None:
+        raise SystemExit("tune: name a change (--set KEY=VALUE) or a commit to measure this checkout against "
+                         "(--against REV)")
+    (entry, *_) = default_models()
+    with contextlib.ExitStack() as stack:
+        against = None if args.against is None else stack.enter_context(checkout(args.against, "tune --against"))
+        try:
+            shipped = entry if against is None else first_model_entry(against[1])
+            changed = changed_entry(entry, args.changes) if args.changes else copy.deepcopy(entry)
+            cpus = cpus_reserved(shipped) + cpus_reserved(changed)
+        except (ConfigError, ValueError) as exc:
+            raise SystemExit(f"tune: {exc}") from None
+        with serve_cluster(num_cpus=cpus, checkout_first=against is None) as proxy:
+            return measure(proxy, shipped, changed, settings, getattr(args, "results_dir", None), against)
+
+
+def first_model_entry(tree: Path) -> dict[str, Any]:
+    """The first model entry of the ``serve_config.yaml`` in the checkout at ``tree``."""
+    config = yaml.safe_load((tree / "serve_config.yaml").read_text())
+    return config["applications"][0]["args"]["models"][0]
 
 
 def changed_entry(entry: Mapping[str, Any], changes: Sequence[str]) -> dict[str, Any]:
@@ -108,15 +135,15 @@ def _parsed(entry: Mapping[str, Any]) -> ModelConfig:
 
 
 def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], settings: Settings,
-            results_dir: Any = None) -> dict[str, Any]:
+            results_dir: Any = None, against: tuple[str, Path] | None = None) -> dict[str, Any]:
     """The scenario on a running Serve instance whose HTTP proxy is at ``proxy``, this process's own cluster (its
-    processes' CPU is measured)."""
-    from deployments.app import build_app
-
+    processes' CPU is measured); ``against``: the commit (short hash, checkout) whose code runs ``shipped``."""
     name = shipped["name"]
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
-    apps = {label: build_app({"models": [entry]}) for label, entry in zip(VARIANTS, (shipped, changed))}
-    with deployed(proxy, apps, name) as deployed_targets:
+    # Against a commit, both run their code from their checkout's path (workers started alike), this one's from here.
+    apps = {"shipped": ({"models": [shipped]}, None if against is None else against[1]),
+            "changed": ({"models": [changed]}, None if against is None else ROOT)}
+    with deployed_as_configured(proxy, apps, name) as deployed_targets:
         # A handle call reads one replica's counters: an entry of several replicas has no mean batch here.
         targets = [target if max_replicas(_parsed(entry)) == 1 else replace(target, batch_totals=_no_totals)
                    for target, entry in zip(deployed_targets, (shipped, changed))]
@@ -124,10 +151,12 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
         runs = asyncio.run(compare_over_http(targets, name, texts, settings.levels, settings.repeats,
                                              pids=descendants))
     rows = summarise(runs)
-    data = {"settings": asdict(settings), "shipped": dict(shipped), "changed": dict(changed),
-            "changes": changes_between(shipped, changed), "rows": rows, "runs": runs}
-    return write_report("tune", "A change to the shipped model entry, beside the entry as shipped",
-                        render(settings, data), data, results_dir)
+    data = {"settings": asdict(settings), "against": None if against is None else against[0],
+            "shipped": dict(shipped), "changed": dict(changed), "changes": changes_between(shipped, changed),
+            "rows": rows, "runs": runs}
+    title = ("A change to the shipped model entry, beside the entry as shipped" if against is None else
+             f"This checkout beside commit {against[0]}")
+    return write_report("tune", title, render(settings, data), data, results_dir)
 
 
 async def _no_totals() -> tuple[int, int]:
@@ -203,11 +232,17 @@ def render(settings: Settings, data: dict[str, Any]) -> str:
          for concurrency, row in rows.items()],
     )
     changes = ", ".join(f"`{key}: {value!r}`" for key, value in data["changes"].items())
+    if data.get("against") is None:
+        sides = (f"The first model entry of `serve_config.yaml` (`{data['shipped']['name']}`) as shipped, and "
+                 f"changed: {changes}.")
+    else:
+        differing = f", its entry differing in {changes}" if changes else " (the same entry)"
+        sides = (f"`shipped`: the code and first model entry of commit {data['against']}; `changed`: this "
+                 f"checkout's{differing}.")
     levels = ", ".join(f"{count} at concurrency {concurrency}" for concurrency, count in settings.levels)
     spread = [abs(row["texts_ratio_range"][1] - row["texts_ratio_range"][0]) for row in rows.values()
               if row["texts_ratio_range"]]
-    return f"""The first model entry of `serve_config.yaml` (`{data['shipped']['name']}`) as shipped, and changed: \
-{changes}. Both in one Serve instance (`serve.env`), each with the entry's own replicas and CPUs; single-text \
+    return f"""{sides} Both in one Serve instance (`serve.env`), each with the entry's own replicas and CPUs; single-text \
 requests (base64), closed loop: {levels}; {settings.repeats} alternated repeat(s), medians. `mean batch`: texts a \
 batch the model formed (— for an entry of several replicas). CPU: each process's CPU time over a variant's runs, \
 from /proc, by the texts it served (the rest: HAProxy, Ray's own processes, the idle variant).

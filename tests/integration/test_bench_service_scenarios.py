@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from load.bench import bulk, e2e, local, tune
-from load.bench.serving import SIM_MODEL, default_models, deployed, one_replica
+from load.bench.service_at import checkout
+from load.bench.serving import SIM_MODEL, default_models, deployed, deployed_as_configured, one_replica
 from load.upstream import UpstreamConfig
 from load.bench.upstream_process import upstream_process
 
@@ -47,6 +48,16 @@ def test_tune_scenario_serves_the_entry_as_shipped_and_changed_side_by_side(serv
             assert row[label]["errors"] == 0 and row[label]["items_per_s"] > 0
             assert row[label]["mean_batch_size"] >= 1 and row[label]["cpu_ms"]["model replica"] > 0
         assert row["texts_ratio_range"][0] <= row["texts_ratio"] <= row["texts_ratio_range"][1]
+
+
+def test_another_checkouts_code_is_refused_where_this_checkouts_comes_first_on_the_workers_path(serve_instance):
+    # The tests' Ray starts from this checkout, as every benchmark's but `tune --against`'s (serve_cluster's
+    # checkout_first=False, which only a Ray of its own can take): its workers would run this checkout's code.
+    entry = one_replica(default_models()[0])
+    with checkout("HEAD") as (_, tree):
+        with pytest.raises(RuntimeError, match="not the checkout at"):
+            with deployed_as_configured(serve_instance.url, {"shipped": ({"models": [entry]}, tree)}, entry["name"]):
+                pass
 
 
 def test_bulk_scenario_embeds_every_document_in_place_and_streams_high_requests(serve_instance, tmp_path):

@@ -14,6 +14,8 @@ import pytest
 from deployments.config import ConfigError
 from load.bench import tune
 from load.bench.__main__ import build_parser
+from load.bench.serving import default_models
+from load.peers.launch import ROOT
 from load.proc_cpu import descendants
 
 ENTRY = {"name": "m", "backend": "local", "batching": {"max_batch_size": 64, "scale_factor": 40},
@@ -42,11 +44,22 @@ def test_a_setting_the_service_would_refuse_is_refused_before_anything_starts(ch
         tune.changed_entry(ENTRY, [change])
 
 
-def test_the_command_line_needs_a_change():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["tune"])
+def test_the_command_line_needs_a_change_or_a_commit_to_measure_against():
+    with pytest.raises(SystemExit, match="--set KEY=VALUE.*--against REV"):
+        tune.run(build_parser().parse_args(["tune"]))
     args = build_parser().parse_args(["tune", "--set", "batching.max_wait_ms=5", "--set", "batching.scale_factor=9"])
-    assert args.changes == ["batching.max_wait_ms=5", "batching.scale_factor=9"]
+    assert args.changes == ["batching.max_wait_ms=5", "batching.scale_factor=9"] and args.against is None
+    args = build_parser().parse_args(["tune", "--against", "HEAD~1"])
+    assert args.changes == [] and args.against == "HEAD~1"
+
+
+def test_a_revision_that_names_no_commit_is_refused_before_anything_starts():
+    with pytest.raises(SystemExit, match="names no commit"):
+        tune.run(build_parser().parse_args(["tune", "--against", "no-such-revision-anywhere"]))
+
+
+def test_the_entry_against_a_commit_is_that_checkouts_first():
+    assert tune.first_model_entry(ROOT) == default_models()[0]
 
 
 def test_the_cluster_reserves_each_variants_cpus_as_the_service_sizes_its_replicas():
@@ -79,6 +92,11 @@ def test_the_summary_pairs_each_repeat_and_gives_the_ratios_range():
     assert row["changed"]["cpu_ms"] == {"ingress": 1.0, "model replica": 7.0, "the rest": 0.5}
     report = tune.render(tune.QUICK, {"shipped": ENTRY, "changes": {"batching.scale_factor": 10}, "rows": {"16": row}})
     assert "`batching.scale_factor: 10`" in report and "0.990×" in report and "0.900–1.100×" in report
+    against = {"shipped": ENTRY, "against": "abc1234", "rows": {"16": row}}
+    assert "commit abc1234; `changed`: this checkout's (the same entry)" in tune.render(
+        tune.QUICK, {**against, "changes": {}})
+    assert "this checkout's, its entry differing in `batching.scale_factor: 10`" in tune.render(
+        tune.QUICK, {**against, "changes": {"batching.scale_factor": 10}})
 
 
 def test_descendants_are_the_processes_started_below_this_one():
