@@ -67,9 +67,10 @@ def without_serve_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in serve_env()}
 
 
-def default_models() -> list[dict[str, Any]]:
-    """The model entries of ``serve_config.yaml``'s application, as its builder receives them."""
-    config = yaml.safe_load(SERVE_CONFIG.read_text())
+def default_models(path: Path = SERVE_CONFIG) -> list[dict[str, Any]]:
+    """The model entries of ``serve_config.yaml``'s application (or of the config file at ``path``, another
+    checkout's), as its builder receives them."""
+    config = yaml.safe_load(path.read_text())
     (application,) = config["applications"]
     return copy.deepcopy(application["args"]["models"])
 

@@ -86,19 +86,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         against = None if args.against is None else stack.enter_context(checkout(args.against, "tune --against"))
         try:
-            shipped = entry if against is None else first_model_entry(against[1])
+            shipped = entry if against is None else default_models(against[1] / "serve_config.yaml")[0]
             changed = changed_entry(entry, args.changes) if args.changes else copy.deepcopy(entry)
             cpus = cpus_reserved(shipped) + cpus_reserved(changed)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(f"tune: {exc}") from None
         with serve_cluster(num_cpus=cpus, checkout_first=against is None) as proxy:
             return measure(proxy, shipped, changed, settings, getattr(args, "results_dir", None), against)
-
-
-def first_model_entry(tree: Path) -> dict[str, Any]:
-    """The first model entry of the ``serve_config.yaml`` in the checkout at ``tree``."""
-    config = yaml.safe_load((tree / "serve_config.yaml").read_text())
-    return config["applications"][0]["args"]["models"][0]
 
 
 def changed_entry(entry: Mapping[str, Any], changes: Sequence[str]) -> dict[str, Any]:
@@ -141,8 +135,8 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
     name = shipped["name"]
     texts = pseudo_sentences(max(count for _, count in settings.levels), settings.mean_chars)
     # Against a commit, both run their code from their checkout's path (workers started alike), this one's from here.
-    apps = {"shipped": ({"models": [shipped]}, None if against is None else against[1]),
-            "changed": ({"models": [changed]}, None if against is None else ROOT)}
+    trees = (None, None) if against is None else (against[1], ROOT)
+    apps = {label: ({"models": [entry]}, tree) for label, entry, tree in zip(VARIANTS, (shipped, changed), trees)}
     with deployed_as_configured(proxy, apps, name) as deployed_targets:
         # A handle call reads one replica's counters: an entry of several replicas has no mean batch here.
         targets = [target if max_replicas(_parsed(entry)) == 1 else replace(target, batch_totals=_no_totals)

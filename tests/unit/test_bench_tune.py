@@ -10,12 +10,12 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from deployments.config import ConfigError
 from load.bench import tune
 from load.bench.__main__ import build_parser
 from load.bench.serving import default_models
-from load.peers.launch import ROOT
 from load.proc_cpu import descendants
 
 ENTRY = {"name": "m", "backend": "local", "batching": {"max_batch_size": 64, "scale_factor": 40},
@@ -58,8 +58,12 @@ def test_a_revision_that_names_no_commit_is_refused_before_anything_starts():
         tune.run(build_parser().parse_args(["tune", "--against", "no-such-revision-anywhere"]))
 
 
-def test_the_entry_against_a_commit_is_that_checkouts_first():
-    assert tune.first_model_entry(ROOT) == default_models()[0]
+def test_the_model_entries_are_read_from_the_config_file_named(tmp_path):
+    config = {"applications": [{"name": "embeddings", "import_path": "deployments.app:build_app",
+                                "args": {"models": [ENTRY, {**ENTRY, "name": "n"}]}}]}
+    (tmp_path / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    assert default_models(tmp_path / "serve_config.yaml") == [ENTRY, {**ENTRY, "name": "n"}]
+    assert default_models()[0]["name"] == "all-MiniLM-L6-v2"  # this checkout's
 
 
 def test_the_cluster_reserves_each_variants_cpus_as_the_service_sizes_its_replicas():
