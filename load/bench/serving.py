@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import yaml
 
@@ -217,13 +217,22 @@ def _wait_running(labels: Sequence[str], timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{', '.join(labels)} not running after {timeout_s:g} s")
 
 
+class SentTotals(NamedTuple):
+    """What a variant's model has sent so far: its batches and their items, and, where its upstream times its calls
+    (the simulated one does), each item's call time summed (ms)."""
+
+    batches: int
+    items: int
+    item_call_ms: float | None = None
+
+
 @dataclass(frozen=True)
 class Target:
-    """One deployed variant of the service: its URL prefix, and how many batches and items it has sent so far."""
+    """One deployed variant of the service: its URL prefix, and what its model has sent so far."""
 
     label: str
     url: str
-    batch_totals: Callable[[], Awaitable[tuple[int, int]]]
+    batch_totals: Callable[[], Awaitable[SentTotals]]
     headers: Mapping[str, str] = field(default_factory=dict)  # sent with every request (an API key)
 
 
@@ -233,7 +242,8 @@ async def compare_over_http(
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Closed-loop runs of single-text requests at each (concurrency, request count), every target side by side:
     per repeat and level the targets run one after another in a rotating order. Returns label -> concurrency ->
-    one summary per repeat, with the mean batch size the model deployment formed during the run and, given the
+    one summary per repeat, with the mean batch size the model deployment formed during the run (and, where its
+    upstream times its calls, the mean time a text spent in one: ``upstream_call_ms``) and, given the
     service's ``pids()``, each process group's CPU ms a request (the targets take turns, so what the processes spent
     during a run is that target's, with the idle others' background)."""
     meter = CpuMeter(pids)
@@ -254,9 +264,11 @@ async def compare_over_http(
                     after = await target.batch_totals()
                     if check_dim is not None:
                         check(result, texts[:count], check_dim)
-                    batches, items = after[0] - before[0], after[1] - before[1]
+                    batches, items = after.batches - before.batches, after.items - before.items
+                    timed = items > 0 and after.item_call_ms is not None and before.item_call_ms is not None
                     runs[target.label][concurrency].append(
                         {**result.summary(), "mean_batch_size": items / batches if batches else None,
+                         "upstream_call_ms": (after.item_call_ms - before.item_call_ms) / items if timed else None,
                          "cpu_ms_per_request": cpu_ms}
                     )
     finally:
@@ -265,25 +277,25 @@ async def compare_over_http(
     return runs
 
 
-def _batch_totals(deployment: str, app: str) -> Callable[[], Awaitable[tuple[int, int]]]:
+def _batch_totals(deployment: str, app: str) -> Callable[[], Awaitable[SentTotals]]:
     """The batches and items ``app``'s ``deployment`` has sent so far; its handle is made when first asked for (an
     app may have no such deployment, and then nothing asks)."""
     from ray import serve
 
     handle = None
 
-    async def totals() -> tuple[int, int]:
+    async def totals() -> SentTotals:
         nonlocal handle
         handle = handle or serve.get_deployment_handle(deployment, app_name=app)
         stats = await handle.stats.remote()
-        return sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values())
+        return SentTotals(sum(s.batches for s in stats.values()), sum(s.dispatched_items for s in stats.values()))
 
     return totals
 
 
-async def upstream_totals(root_url: str) -> tuple[int, int]:
-    """The calls and items the simulated upstream at ``root_url`` has served: a variant's batches as seen from
-    outside it, when the variants take turns."""
+async def upstream_totals(root_url: str) -> SentTotals:
+    """The calls and items the simulated upstream at ``root_url`` has served, and their texts' time in calls: a
+    variant's batches as seen from outside it, when the variants take turns."""
     async with UpstreamClient(root_url) as client:
         stats = await client.stats()
-    return stats["calls"], stats["items_billed"]
+    return SentTotals(stats["calls"], stats["items_billed"], stats["text_call_ms"])

@@ -47,7 +47,7 @@ from .e2e import service_cpu
 from .options import chosen_settings
 from .report import markdown_table, write_report
 from .service_at import checkout
-from .serving import compare_over_http, default_models, deployed_as_configured, serve_cluster
+from .serving import SentTotals, compare_over_http, default_models, deployed_as_configured, serve_cluster
 
 VARIANTS = ("shipped", "changed")
 _ABSENT = object()  # a setting the entry leaves to its default (unlike one set to null)
@@ -153,8 +153,8 @@ def measure(proxy: str, shipped: Mapping[str, Any], changed: Mapping[str, Any], 
     return write_report("tune", title, render(settings, data), data, results_dir)
 
 
-async def _no_totals() -> tuple[int, int]:
-    return 0, 0
+async def _no_totals() -> SentTotals:
+    return SentTotals(0, 0)
 
 
 async def _warm_up(urls: Sequence[str], model: str, texts: Sequence[str]) -> None:

@@ -25,6 +25,12 @@ def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(ser
         for cell in row.values():
             assert cell["errors"] == 0 and cell["mismatches"] == 0 and cell["items_per_s"] > 0
         assert row["unbatched"]["mean_batch_size"] == 1.0  # counted at the upstream: one call a text
+        assert row["adaptive"]["upstream_call_ms"] >= upstream.base_latency_ms  # timed at the upstream
+        assert row["serve-floor-http"]["upstream_call_ms"] is None  # it calls no upstream
+    top_concurrency, _ = e2e.QUICK.levels[-1]
+    ceiling = data["gateway_ceiling"]
+    assert ceiling["texts_per_s"] == pytest.approx(
+        top_concurrency * 1000 / data["rows"][str(top_concurrency)]["adaptive"]["upstream_call_ms"])
 
 
 def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):

@@ -300,6 +300,17 @@ async def test_calls_beyond_max_concurrency_wait_for_a_slot() -> None:
         assert stats["max_concurrent_seen"] == 3  # it counts the two callers waiting for the slot too
 
 
+@pytest.mark.looptime
+async def test_text_call_ms_sums_each_billed_texts_call_time_without_its_wait_for_a_slot() -> None:
+    async with in_process(fast(base_latency_ms=100, max_concurrency=1)) as client:
+        answers = await asyncio.gather(embed_in_process(client, input=["a", "b"]), embed_in_process(client, input="c"))
+
+        assert [answer.status_code for answer in answers] == [200, 200]
+        stats = (await client.get("/stats")).json()
+        # two texts in a call of 100 ms, one in a call of 100 ms that waited 100 ms for the slot first
+        assert stats["text_call_ms"] == pytest.approx(300)
+
+
 def test_stats_count_calls_items_and_tokens_billed_and_reset() -> None:
     with run_upstream(fast(fail_marker="BAD")) as upstream:
         embed(upstream, input=["a", "b", "c"])
