@@ -1,5 +1,6 @@
 """The lowest CPU priority, for work that may wait: what moves requests (HAProxy, the ingress, the replicas' event
-loops) then gets a core the moment it needs one, and the deferrable work still gets every cycle nobody else wants."""
+loops, at the nice 15 Ray starts its workers with) then gets a core ahead of it, and the deferrable work still gets
+every cycle nobody else wants."""
 
 import os
 import threading

@@ -19,7 +19,8 @@ batcher's ``low_share`` gives it. An engine that cannot stop a call (torch) lets
 
 The threads run at the lowest CPU priority (nice 19), and so do the threads an engine starts, which inherit it from
 the thread that built the engine: on a machine the model keeps busy, the cheap work that moves requests (HAProxy,
-the ingress, the replica's event loop) gets a core the moment it needs one, instead of queueing behind a call.
+the ingress, the replica's event loop, which Ray starts at nice 15) gets a core ahead of a call, instead of queueing
+behind it. Ray's 15 is left as it is: at nice 0 that work preempts the calls so often that the cores serve less.
 """
 
 from __future__ import annotations
