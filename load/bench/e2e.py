@@ -236,8 +236,9 @@ def gateway_ceiling(concurrency: int, adaptive: dict[str, Any], direct_per_s: fl
         return None
     texts_per_s = concurrency / (call_ms / 1000)
     return {"upstream_call_ms": call_ms, "texts_per_s": texts_per_s,
+            "gain_over_direct": texts_per_s / direct_per_s,
             "adaptive_share": adaptive["items_per_s"] / texts_per_s,
-            "gain_over_direct": texts_per_s / direct_per_s}
+            "target_share": TARGET_GAIN_OVER_DIRECT * direct_per_s / texts_per_s}
 
 
 async def upstream_direct(root_url: str, texts: Sequence[str], concurrency: int, dim: int) -> dict[str, Any]:
@@ -312,7 +313,7 @@ The ceiling at concurrency {top}: a text spent {ceiling['upstream_call_ms']:.1f}
 (timed by the upstream), so {top} closed-loop clients get at most {ceiling['texts_per_s']:.0f} texts/s through any \
 gateway that adds no time of its own ({ceiling['gain_over_direct']:.2f}× the direct clients). Adaptive reaches \
 {ceiling['adaptive_share']:.2f} of it; {TARGET_GAIN_OVER_DIRECT:g}× the direct clients is \
-{TARGET_GAIN_OVER_DIRECT / ceiling['gain_over_direct']:.2f} of it.
+{ceiling['target_share']:.2f} of it.
 """
     return f"""\
 Single-text `POST /v1/embeddings` requests (base64), closed loop; requests per level: \

@@ -29,8 +29,10 @@ def test_e2e_scenario_serves_every_variant_with_vectors_matching_their_texts(ser
         assert row["serve-floor-http"]["upstream_call_ms"] is None  # it calls no upstream
     top_concurrency, _ = e2e.QUICK.levels[-1]
     ceiling = data["gateway_ceiling"]
-    assert ceiling["texts_per_s"] == pytest.approx(
-        top_concurrency * 1000 / data["rows"][str(top_concurrency)]["adaptive"]["upstream_call_ms"])
+    top = data["rows"][str(top_concurrency)]
+    assert ceiling["texts_per_s"] == pytest.approx(top_concurrency * 1000 / top["adaptive"]["upstream_call_ms"])
+    assert ceiling["target_share"] == pytest.approx(
+        e2e.TARGET_GAIN_OVER_DIRECT * top["direct"]["items_per_s"] / ceiling["texts_per_s"])
 
 
 def test_local_scenario_serves_batched_and_unbatched(serve_instance, tmp_path):
