@@ -74,3 +74,16 @@ def stop_ray_and_serve() -> None:
 
     serve.shutdown()
     ray.shutdown()
+
+
+async def killed(actor: Any) -> None:
+    """Kill ``actor`` and return once it is gone: ``ray.kill`` returns before it is, and a call sent meanwhile still
+    reaches the actor and is answered by it."""
+    import ray
+
+    ray.kill(actor)
+    while True:
+        try:
+            await actor.__ray_ready__.remote()
+        except ray.exceptions.ActorDiedError:
+            return

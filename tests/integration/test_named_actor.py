@@ -12,6 +12,8 @@ import ray
 
 from deployments.named_actor import NAMESPACE, NamedActor
 
+from .helpers import killed
+
 pytestmark = pytest.mark.integration
 
 
@@ -31,9 +33,5 @@ async def test_concurrent_first_calls_make_one_actor_that_lives_and_a_dead_one_i
     await asyncio.sleep(1.0)  # a dropped creating handle ends the actor within moments
     assert await shared.call("add") == 51
 
-    old = ray.get_actor(name, namespace=NAMESPACE)
-    ray.kill(old)
-    with pytest.raises(ray.exceptions.ActorDiedError):  # ray.kill returns before the actor is gone: wait for it
-        while True:
-            await old.add.remote()
+    await killed(ray.get_actor(name, namespace=NAMESPACE))
     assert await shared.call("add") == 1  # a new one, made by the call that found the old one dead

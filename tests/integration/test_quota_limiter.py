@@ -16,6 +16,8 @@ from deployments.model.quota.limiter import connect
 from deployments.model.quota.pacer import PacedInput, QuotaPacer, RemoteLedger
 from deployments.wire import Deadline
 
+from .helpers import killed
+
 LIMITS = Limits(rpm=None, tpm=60_000, headroom=1.0)
 
 
@@ -46,7 +48,7 @@ async def test_replicas_share_one_budget_and_a_lost_limiter_is_replaced_empty(se
     (refused,) = await second.paced(batch(6_000, 1.0), send)  # alone, its share would have held it
     assert isinstance(refused, UpstreamRateLimited) and 5.0 < refused.retry_after_s <= 6.0
 
-    ray.kill(limiter)
+    await killed(limiter)  # gone before the next claim: one sent meanwhile would still be answered by it
     assert await second.paced(batch(6_000, 1.0), send) == ["sent"]  # paced alone on its share: served
     replacement = await started(name)  # what the next replica to claim does, in its connecting thread
     assert await pacer(name).paced(batch(60_000, 1.0), send) == ["sent"]  # a new limiter, full again
