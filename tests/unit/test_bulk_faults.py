@@ -325,9 +325,10 @@ def test_sigterm_while_every_request_waits_ends_the_run_then_it_completes_when_t
     assert process.returncode == 143, stderr
     assert "SIGTERM: taking no new batches" in stderr and "interrupted" in stderr
 
-    # After the storm the service paces to the 1 request a minute it learned, and learns the limit was lifted only
-    # from its next call, up to a minute later: the rerun gets that minute on top of a hung run's allowance.
-    rerun = run_command(job, HANG_S + 60.0)
+    # After a storm the service paces to the requests a minute it learned, and learns the limit was lifted only from
+    # its next call, up to one paced interval later: the rerun gets that interval on top of a hung run's allowance.
+    paced_interval_s = 60.0 / faults["rpm"] if "rpm" in faults else 0.0
+    rerun = run_command(job, HANG_S + paced_interval_s)
 
     assert rerun.returncode == 0, rerun.stderr
     assert_same_rows(job, uninterrupted["out.npy"])
